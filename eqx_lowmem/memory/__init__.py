@@ -1,0 +1,1 @@
+"""eqx_lowmem.memory"""
