@@ -1,6 +1,6 @@
 """Shared by the benchmark scripts: the environment record and atomic JSON output."""
 
-import datetime
+import datetime as dt
 import json
 import os
 import platform
@@ -19,12 +19,12 @@ def environment() -> dict[str, Any]:
     import equinox
     import jax
     import jaxlib
-    import numpy
+    import numpy as np
     import optax
 
     device = jax.devices()[0]
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "backend": jax.default_backend(),
         "device": getattr(device, "device_kind", str(device)),
         "device_count": jax.device_count(),
@@ -36,7 +36,7 @@ def environment() -> dict[str, Any]:
             "jaxlib": jaxlib.__version__,
             "equinox": equinox.__version__,
             "optax": optax.__version__,
-            "numpy": numpy.__version__,
+            "numpy": np.__version__,
         },
     }
 

@@ -1,0 +1,196 @@
+"""The pre-LayerNorm transformer block, with named intermediates for remat policies."""
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jax.ad_checkpoint import checkpoint_name
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from ._activation import gelu
+from ._attention import attention
+from ._chunk import map_chunks
+from ._norm import LayerNorm
+from ._remat import BLOCK_NAMES, Remat, RematArg, remat_policy, resolve_remat
+
+DEFAULT_CHUNK_SIZE = 64
+
+
+def _dense(layer: eqx.nn.Linear, x: Float[Array, "seq d_in"]) -> Float[Array, "seq d_out"]:
+    y = x @ layer.weight.T
+    return y if layer.bias is None else y + layer.bias[None, :]
+
+
+def _dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jr.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype))
+
+
+class TransformerBlock(eqx.Module):
+    """Pre-LayerNorm multi-head self-attention and feed-forward, each a residual.
+
+    `y = h + ffn(ln2(h))` with `h = x + attn(ln1(x))`, the feed-forward being
+    `Linear(d_model, d_ff) -> GELU -> Linear(d_ff, d_model)`. Layer norms and the softmax
+    compute in float32 whatever the parameters' dtype; the backward passes of the norms and
+    of GELU keep only their inputs. Dropout (when `dropout > 0` and a key is
+    passed) applies to the output of each sub-layer before its residual add.
+
+    Checkpoint names (`eqx_lowmem.nn.BLOCK_NAMES`), which `remat=Save(...)` may keep:
+    `attn_in` (LayerNorm 1 output), `qkv`, `attn_context` (softmax(qk^T)v, heads merged),
+    `attn_out`, `ffn_in` (LayerNorm 2 output), `ffn_hidden` (before the activation), `ffn_out`.
+
+    `remat` trades time for memory in the backward pass:
+
+    - `False` / `"none"`: keeps every intermediate, including the `(heads, seq, seq)`
+      attention weights. Fastest; the most memory.
+    - `True` / `"full"`: keeps only the block input; the backward pass runs the block's forward
+      again (about one more forward pass per step). Inside the block, attention runs over
+      chunks of `chunk_size` queries and the feed-forward over chunks of `chunk_size`
+      tokens, each chunk recomputed in its own backward, so not even one block's backward
+      holds the whole `(heads, seq, seq)` attention matrix or `(seq, d_ff)` hidden layer.
+      The feed-forward's recomputation replaces (not adds to) the block's; attention is
+      computed once more (a small share of a block's work).
+    - `"dots"`: keeps the projections (`qkv`, `attn_out`, `ffn_hidden`, `ffn_out`) and
+      recomputes the norms, the activation and the attention matrix (cheap element-wise work
+      and two small batched matmuls).
+    - `"minimal"`: keeps `qkv` and `ffn_hidden` only; recomputes in addition the output
+      projection. Close to `"dots"` in speed, less memory.
+    - `Save(*names)`: keeps exactly the named intermediates.
+
+    Recomputation saves memory reliably only when the blocks run in a `jax.lax.scan` (see
+    `transformer_encoder`); in an unrolled loop XLA may schedule the recomputation early.
+    """
+
+    ln1: LayerNorm
+    qkv: eqx.nn.Linear
+    proj: eqx.nn.Linear
+    ln2: LayerNorm
+    ff1: eqx.nn.Linear
+    ff2: eqx.nn.Linear
+    d_model: int = eqx.field(static=True)
+    n_heads: int = eqx.field(static=True)
+    d_ff: int = eqx.field(static=True)
+    dropout: float = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+    remat: Remat = eqx.field(static=True)
+    chunk_size: int | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        *,
+        key: PRNGKeyArray,
+        dropout: float = 0.0,
+        causal: bool = False,
+        remat: RematArg = False,
+        chunk_size: int | None | Literal["auto"] = "auto",
+    ):
+        """Args:
+        d_model: width of the residual stream; divisible by `n_heads`.
+        n_heads: number of attention heads.
+        d_ff: hidden width of the feed-forward layer.
+        key: PRNG key for the initial weights.
+        dropout: rate in [0, 1) for the output of each sub-layer; needs a key at call time.
+        causal: each position attends only to itself and earlier positions.
+        remat: `False`, `True`/`"full"`, `"dots"`, `"minimal"` or `Save(*names)` (above).
+        chunk_size: rows per chunk of the attention (queries) and the feed-forward (tokens).
+            `"auto"`: 64 with `remat="full"`, else no chunking. `None`: never chunk. Chunks
+            cap the backward pass's activations at one chunk's, for one more forward pass of
+            each chunk (with `remat="full"` the block's own recomputation covers most of it).
+        """
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("d_ff", d_ff)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if d_model % n_heads != 0:
+            raise ValueError(
+                f"d_model={d_model} is not divisible by n_heads={n_heads}; each head takes "
+                f"d_model // n_heads features. Use a divisor of {d_model} for n_heads."
+            )
+        if not (isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0):
+            raise ValueError(f"dropout must be a rate in [0, 1), got {dropout!r}.")
+        remat = resolve_remat(remat, BLOCK_NAMES)
+        if chunk_size == "auto":
+            chunk_size = DEFAULT_CHUNK_SIZE if remat == "full" else None
+        elif chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be 'auto', None or an int >= 1, got {chunk_size!r}.")
+        qkv_key, proj_key, ff1_key, ff2_key = jr.split(key, 4)
+        self.ln1 = LayerNorm(d_model)
+        self.qkv = eqx.nn.Linear(d_model, 3 * d_model, key=qkv_key)
+        self.proj = eqx.nn.Linear(d_model, d_model, key=proj_key)
+        self.ln2 = LayerNorm(d_model)
+        self.ff1 = eqx.nn.Linear(d_model, d_ff, key=ff1_key)
+        self.ff2 = eqx.nn.Linear(d_ff, d_model, key=ff2_key)
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.d_ff = d_ff
+        self.dropout = float(dropout)
+        self.causal = causal
+        self.remat = remat
+        self.chunk_size = chunk_size
+
+    def __call__(
+        self, x: Float[Array, "seq d_model"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "seq d_model"]:
+        """Apply the block to one example; `jax.vmap` over a batch.
+
+        Args:
+            x: one sequence, `(seq, d_model)`.
+            key: PRNG key for dropout; `None` turns dropout off (evaluation).
+
+        Returns:
+            The block output, same shape and dtype as `x`.
+        """
+        return self.apply(x, key=key)
+
+    def apply(
+        self,
+        x: Float[Array, "seq d_model"],
+        *,
+        key: PRNGKeyArray | None = None,
+        prevent_cse: bool = True,
+    ) -> Float[Array, "seq d_model"]:
+        """`__call__` with control over `jax.checkpoint`'s `prevent_cse`.
+
+        Inside a `lax.scan` (as `transformer_encoder` runs blocks) `prevent_cse=False` is safe
+        and lets XLA optimise across the recomputation; elsewhere keep the default `True`.
+        """
+        if x.ndim != 2 or x.shape[1] != self.d_model:
+            raise ValueError(
+                f"TransformerBlock expects one example of shape (seq, {self.d_model}), got "
+                f"{x.shape}; call it on a single sequence and jax.vmap over the batch."
+            )
+        policy = remat_policy(self.remat)
+        forward = type(self)._forward
+        if policy is not None:
+            forward = eqx.filter_checkpoint(forward, policy=policy, prevent_cse=prevent_cse)
+        return forward(self, x, key)
+
+    def _ffn(self, h: Array, first: Array) -> Array:
+        del first
+        hidden = checkpoint_name(_dense(self.ff1, h), "ffn_hidden")
+        return _dense(self.ff2, gelu(hidden))
+
+    @jax.named_scope("eqx_lowmem.nn.TransformerBlock")
+    def _forward(self, x: Array, key: PRNGKeyArray | None) -> Array:
+        seq = x.shape[0]
+        head_dim = self.d_model // self.n_heads
+        attn_key, ffn_key = (None, None) if key is None else jr.split(key)
+
+        h = checkpoint_name(self.ln1(x), "attn_in")
+        qkv = checkpoint_name(_dense(self.qkv, h), "qkv")
+        q, k, v = jnp.split(qkv.reshape(seq, 3, self.n_heads, head_dim), 3, axis=1)
+        # (seq, heads, head_dim) each
+        context = attention(q[:, 0], k[:, 0], v[:, 0], causal=self.causal, chunk=self.chunk_size)
+        context = checkpoint_name(context.reshape(seq, self.d_model), "attn_context")
+        attn_out = checkpoint_name(_dense(self.proj, context), "attn_out")
+        x = x + _dropout(attn_out, self.dropout, attn_key)
+
+        h = checkpoint_name(self.ln2(x), "ffn_in")
+        ffn_out = checkpoint_name(map_chunks(self._ffn, h, self.chunk_size), "ffn_out")
+        return x + _dropout(ffn_out, self.dropout, ffn_key)

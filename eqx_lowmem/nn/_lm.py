@@ -1,0 +1,96 @@
+"""A small causal language model for the examples: embeddings, a causal encoder, a head."""
+
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.random as jr
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ._encoder import TransformerEncoder, transformer_encoder
+from ._norm import LayerNorm
+from ._remat import RematArg
+
+
+class CausalLM(eqx.Module):
+    """Token and learned position embeddings, a causal `TransformerEncoder`, a final
+    LayerNorm and an untied output head. `__call__` maps one sequence of token ids to logits.
+    """
+
+    embed: Array  # (vocab, d_model)
+    pos: Array  # (max_seq, d_model)
+    encoder: TransformerEncoder
+    ln_f: LayerNorm
+    head: eqx.nn.Linear
+    vocab_size: int = eqx.field(static=True)
+    max_seq: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_seq: int,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        *,
+        key: PRNGKeyArray,
+        dropout: float = 0.0,
+        remat: RematArg = False,
+        scan: bool = True,
+        segment: int | Literal["sqrt"] | None = None,
+        chunk_size: int | None | Literal["auto"] = "auto",
+    ):
+        """Args:
+        vocab_size: number of token ids.
+        max_seq: longest sequence the position embedding covers.
+        n_layers, d_model, n_heads, d_ff, dropout, remat, scan, segment, chunk_size: as
+            `transformer_encoder` (the encoder is always causal).
+        key: PRNG key for the initial weights.
+        """
+        for name, value in (("vocab_size", vocab_size), ("max_seq", max_seq)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        embed_key, pos_key, enc_key, head_key = jr.split(key, 4)
+        self.embed = 0.02 * jr.normal(embed_key, (vocab_size, d_model))
+        self.pos = 0.02 * jr.normal(pos_key, (max_seq, d_model))
+        self.encoder = transformer_encoder(
+            n_layers,
+            d_model,
+            n_heads,
+            d_ff,
+            key=enc_key,
+            dropout=dropout,
+            causal=True,
+            remat=remat,
+            scan=scan,
+            segment=segment,
+            chunk_size=chunk_size,
+        )
+        self.ln_f = LayerNorm(d_model)
+        self.head = eqx.nn.Linear(d_model, vocab_size, key=head_key)
+        self.vocab_size = vocab_size
+        self.max_seq = max_seq
+
+    @jax.named_scope("eqx_lowmem.nn.CausalLM")
+    def __call__(
+        self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "seq vocab"]:
+        """Logits of the next token at every position of one sequence.
+
+        Args:
+            tokens: token ids, `(seq,)` with `seq <= max_seq`.
+            key: PRNG key for dropout; `None` turns dropout off.
+        """
+        if tokens.ndim != 1 or tokens.shape[0] > self.max_seq:
+            raise ValueError(
+                f"CausalLM expects one sequence of at most max_seq={self.max_seq} token ids, "
+                f"got shape {tokens.shape}; jax.vmap over the batch."
+            )
+        seq = tokens.shape[0]
+        x = self.embed[tokens] + self.pos[:seq]  # (seq, d_model)
+        x = self.encoder(x, key=key)
+        x = self.ln_f(x)
+        logits = x @ self.head.weight.T
+        assert self.head.bias is not None
+        return logits + self.head.bias[None, :]
