@@ -1,5 +1,6 @@
 """Multi-head dot-product attention of one example, whole or over chunks of queries."""
 
+import functools
 import math
 
 import jax
@@ -7,6 +8,33 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from ._chunk import map_chunks
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _softmax(logits: Array, dtype: jnp.dtype) -> Array:
+    """Softmax over the last axis computed in float32, returned in 16-bit `dtype`.
+
+    The backward pass keeps only the 16-bit output, which the product with the values keeps
+    anyway; autodiff of `jax.nn.softmax` followed by a cast would keep its float32
+    exponentials and float32 output as well: three `(heads, q, kv)` arrays' worth of bytes
+    instead of one. The gradient is computed in float32 from the 16-bit output (error of
+    the order of the 16-bit rounding the logits' gradient gets anyway).
+    """
+    return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(dtype)
+
+
+def _softmax_fwd(logits, dtype):
+    y = _softmax(logits, dtype)
+    return y, y
+
+
+def _softmax_bwd(dtype, y, g):
+    del dtype
+    y32, g32 = y.astype(jnp.float32), g.astype(jnp.float32)
+    return (y32 * (g32 - jnp.sum(g32 * y32, axis=-1, keepdims=True)),)
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
 
 
 def _attend(
@@ -25,7 +53,10 @@ def _attend(
         q_pos = q_start + jnp.arange(q.shape[0])
         k_pos = jnp.arange(k.shape[0])
         logits = jnp.where(k_pos[None, None, :] <= q_pos[None, :, None], logits, -jnp.inf)
-    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    if v.dtype == jnp.float32:
+        weights = jax.nn.softmax(logits, axis=-1)
+    else:
+        weights = _softmax(logits, v.dtype)
     return jnp.einsum("hqk,khd->qhd", weights, v)
 
 

@@ -28,16 +28,28 @@ class Policy:
     """The dtypes of training, as jmp's `Policy`.
 
     Attributes:
-        param_dtype: how parameters (and, with `half_state`, the optimizer state) are
-            stored. Memory: bytes per parameter.
+        param_dtype: how parameters are stored. Memory: 4 or 2 bytes per parameter. 16 bits
+            (the "half" presets) also stores the optimizer state in 16 bits (see
+            `opt_state_dtype`), and rounds each update stochastically (see `make_step`).
         compute_dtype: what the forward and backward passes compute in: parameters and
-            floating inputs are cast to it inside the step. Memory: the saved activations
-            shrink with it on an accelerator (XLA:CPU computes 16-bit types in float32
-            inside, so its temporaries do not).
-        output_dtype: the dtype losses are reduced in, and gradients accumulated in.
+            floating inputs are cast to it inside the step. Memory: the activations the
+            backward pass keeps halve with a 16-bit type (`eqx_lowmem.memory.saved_residuals`
+            shows it); a float32 `param_dtype` then adds a 16-bit copy of the parameters
+            (2 bytes per parameter) while the step runs. XLA:CPU computes 16-bit types in
+            float32 inside, so its compiled temporaries do not shrink; a GPU's do.
+        output_dtype: the dtype of losses, of their reduction over the batch and of the
+            accumulated gradient. Only float32: 16-bit sums lose the small terms.
 
     Layer norms and the softmax of `eqx_lowmem.nn` compute in float32 whatever the policy;
-    the accumulated gradient is float32.
+    the losses of `eqx_lowmem.train` return float32.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> policy = Policy(param_dtype=jnp.float32, compute_dtype=jnp.bfloat16)
+        >>> policy.cast_to_compute({"w": jnp.ones(2)})["w"].dtype
+        dtype(bfloat16)
+        >>> policy == PRESETS["mixed_bf16"]
+        True
     """
 
     param_dtype: Any = jnp.float32
@@ -46,12 +58,23 @@ class Policy:
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
-            dtype = jnp.dtype(getattr(self, field))
-            if dtype not in (jnp.dtype(d) for d in _DTYPES.values()):
+            value = getattr(self, field)
+            try:
+                dtype = jnp.dtype(value)
+            except TypeError:
+                dtype = None
+            if dtype is None or dtype not in [jnp.dtype(d) for d in _DTYPES.values()]:
                 raise ValueError(
-                    f"Policy({field}={dtype}) is not supported; expected one of {sorted(_DTYPES)}."
+                    f"Policy({field}={value!r}) is not supported; expected one of "
+                    f"{sorted(_DTYPES)}."
                 )
             object.__setattr__(self, field, dtype)
+        if self.output_dtype != jnp.dtype(jnp.float32):
+            raise ValueError(
+                f"Policy(output_dtype={self.output_dtype}): losses, their sum over the batch "
+                "and the accumulated gradient are always float32 (16-bit sums lose the small "
+                "terms); use output_dtype=jnp.float32."
+            )
 
     @property
     def is_half(self) -> bool:
@@ -59,22 +82,39 @@ class Policy:
         return self.param_dtype.itemsize == 2
 
     @property
+    def opt_state_dtype(self) -> Any:
+        """The dtype of the optimizer state: bfloat16 when parameters are 16-bit, else None
+        (the optimizer's own, float32).
+
+        bfloat16 also for float16 parameters: it has float32's exponent range, and Adam's
+        second moment (the square of the gradient, ~1e-8 for a gradient of 1e-4) flushes to
+        zero in float16, which makes the update `m / (sqrt(v) + eps)` explode.
+        """
+        return jnp.dtype(jnp.bfloat16) if self.is_half else None
+
+    @property
     def needs_loss_scale(self) -> bool:
         """float16 anywhere: gradients underflow without a loss scale."""
         return jnp.dtype(jnp.float16) in (self.param_dtype, self.compute_dtype)
 
     def cast_to_param(self, tree: Any) -> Any:
+        """Floating leaves of `tree` cast to `param_dtype`."""
         return cast_floating(tree, self.param_dtype)
 
     def cast_to_compute(self, tree: Any) -> Any:
+        """Floating leaves of `tree` cast to `compute_dtype`."""
         return cast_floating(tree, self.compute_dtype)
 
     def cast_to_output(self, tree: Any) -> Any:
+        """Floating leaves of `tree` cast to `output_dtype`."""
         return cast_floating(tree, self.output_dtype)
 
 
-# Presets. Bytes per parameter (parameter + gradient + Adam's two moments): float32 16,
-# mixed 16 (float32 master copy), half 8.
+# Presets. Bytes per parameter with Adam, stored (parameter + two moments) and while a
+# step runs (+ the float32 accumulated gradient, + a 16-bit compute copy for "mixed"):
+#   float32     12 stored, 16 in a step
+#   mixed_*     12 stored, 18 in a step (float32 master parameters)
+#   half_*       6 stored (2 + 2 + 2; moments in bfloat16), 10 in a step
 PRESETS: dict[str, Policy] = {
     "float32": Policy(jnp.float32, jnp.float32, jnp.float32),
     "mixed_bf16": Policy(jnp.float32, jnp.bfloat16, jnp.float32),
