@@ -48,6 +48,14 @@ def _accepts_key(fn: Callable) -> bool:
     return any(p.name == "key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+def _copy(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, tree)
+
+
+def _is_dynamic(x: Any) -> bool:
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
 def _leading(batch: tuple) -> int:
     sizes = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in jax.tree.leaves(batch)}
     if len(sizes) != 1 or -1 in sizes:
@@ -91,7 +99,7 @@ class Step:
         self.loss_fn = loss_fn
         self.policy = get_policy(precision)
         self.optimizer = (
-            half_state(optimizer, self.policy.param_dtype) if self.policy.is_half else optimizer
+            half_state(optimizer, self.policy.opt_state_dtype) if self.policy.is_half else optimizer
         )
         if loss_scale == "auto":
             loss_scale = dynamic_loss_scale() if self.policy.needs_loss_scale else None
@@ -108,36 +116,37 @@ class Step:
         self.n_shards = 1 if mesh is None else int(mesh.shape[data_axis])
         self._pass_key = _accepts_key(loss_fn)
         self._jit = jit
-        self._compiled = eqx.filter_jit(self._step, donate="all-except-first") if jit else None
+        # jax.jit over the state's arrays (donated), its static part a static argument: unlike
+        # eqx.filter_jit, lowering then accepts jax.ShapeDtypeStruct stand-ins, so memory
+        # can be analysed without allocating anything.
+        self._jitted = jax.jit(self._step_arrays, static_argnums=3, donate_argnums=2)
 
     # -- public ---------------------------------------------------------------------------
 
     def init(self, model: PyTree, *, key: PRNGKeyArray, model_state: PyTree = None) -> TrainState:
         """The initial `TrainState`: parameters cast to the policy, a fresh optimizer state.
 
-        The state owns copies of the model's arrays (steps donate the state's buffers), so
-        `model` stays usable; drop it to free its memory.
+        The state owns copies of the model's arrays and of the key (steps donate the
+        state's buffers), so `model` and `key` stay usable; drop `model` to free its memory.
         """
         if self.has_state and model_state is None:
             raise ValueError(
                 "make_step(..., has_state=True) needs the model's state: "
                 "init(model, key=key, model_state=state), e.g. from eqx.nn.make_with_state."
             )
-        model = jax.tree.map(
-            lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x,
-            self.policy.cast_to_param(model),
+        # Copies: steps donate the state's buffers, and init may be called again.
+        model, model_state, key, loss_scale = _copy(
+            (self.policy.cast_to_param(model), model_state, key, self.loss_scale)
         )
-        model_state = jax.tree.map(
-            lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, model_state
-        )
-        opt_state = self.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+        with jax.numpy_dtype_promotion("standard"):
+            opt_state = self.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
         state = TrainState(
             step=jnp.asarray(0, jnp.int32),
             model=model,
             opt_state=opt_state,
             key=key,
             model_state=model_state,
-            loss_scale=self.loss_scale,
+            loss_scale=loss_scale,
         )
         if self.mesh is not None:
             state = eqx.filter_shard(state, NamedSharding(self.mesh, P()))
@@ -175,23 +184,33 @@ class Step:
         if self.mesh is not None:
             sharding = NamedSharding(self.mesh, P(self.data_axis))
             batch, w = jax.device_put((batch, w), sharding)
-        fn = self._compiled if self._jit else self._step
-        return fn(batch, w, state)
+        if not self._jit:
+            return self._step(batch, w, state)
+        dynamic, static = eqx.partition(state, _is_dynamic)
+        new_dynamic, metrics = self._jitted(batch, w, dynamic, static)
+        return eqx.combine(new_dynamic, static), metrics
 
     @property
     def granularity(self) -> int:
         """Batches are padded (at weight 0) to a multiple of this: micro-batches x shards."""
         return self.accumulate * self.n_shards
 
-    def lower(self, state: TrainState, batch: tuple, weights=None):
-        """`jax.jit(...).lower(...)` of the step, for `compile().memory_analysis()`."""
+    def lower(self, state: TrainState, batch: tuple, weights=None) -> jax.stages.Lowered:
+        """`jax.jit(...).lower(...)` of the step, for `.compile().memory_analysis()`.
+
+        `state` and `batch` may hold `jax.ShapeDtypeStruct`s (for example from
+        `eqx.filter_eval_shape(step.init, model, key=key)`): nothing is allocated.
+        """
         size = self._check_batch(tuple(batch), weights)
         if size % self.granularity:
             raise ValueError(
                 f"lower() needs a batch size divisible by {self.granularity}, got {size}."
             )
-        w = jax.ShapeDtypeStruct((size,), jnp.float32)
-        return self._compiled.lower(tuple(batch), w, state)  # type: ignore[union-attr]
+        sharding = None if self.mesh is None else NamedSharding(self.mesh, P(self.data_axis))
+        batch = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding) for x in batch)
+        w = jax.ShapeDtypeStruct((size,), jnp.float32, sharding=sharding)
+        dynamic, static = eqx.partition(state, _is_dynamic)
+        return self._jitted.lower(batch, w, dynamic, static)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -288,6 +307,10 @@ class Step:
             )
         return grads, total, weight, model_state, count
 
+    def _step_arrays(self, batch, w, dynamic, static):
+        new_state, metrics = self._step(batch, w, eqx.combine(dynamic, static))
+        return eqx.filter(new_state, _is_dynamic), metrics
+
     def _step(self, batch, w, state: TrainState):
         params, static = eqx.partition(state.model, eqx.is_inexact_array)
         key, step_key, round_key = jr.split(state.key, 3)
@@ -320,7 +343,10 @@ class Step:
         finite = all_finite(grads) & jnp.isfinite(loss)
 
         def apply(_):
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
+            # Optax mixes Python floats with int32 counters (Adam's bias correction), which
+            # strict dtype promotion rejects; its arithmetic is its own business.
+            with jax.numpy_dtype_promotion("standard"):
+                updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
             if self.policy.is_half:
                 # 16-bit parameters: round the float32 result stochastically, so updates
                 # smaller than half a 16-bit step still move the parameters on average.
@@ -348,7 +374,7 @@ class Step:
         metrics = {
             "loss": loss,
             "weight": weight,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "finite": finite,
             "loss_scale": scale,
         }
