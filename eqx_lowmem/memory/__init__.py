@@ -1,7 +1,25 @@
-"""Where the memory of a training step goes."""
+"""Where the memory of a training step goes, and which combination of techniques fits."""
 
+from ._cost import Cost as Cost, jaxpr_cost as jaxpr_cost
+from ._plan import (
+    ACCUMULATES as ACCUMULATES,
+    PRECISIONS as PRECISIONS,
+    REMATS as REMATS,
+    BudgetError as BudgetError,
+    Candidate as Candidate,
+    Plan as Plan,
+    plan as plan,
+)
+from ._plot import plot_plan as plot_plan, plot_report as plot_report
+from ._report import (
+    PARTS as PARTS,
+    ActivationGroup as ActivationGroup,
+    MemoryReport as MemoryReport,
+    memory_report as memory_report,
+)
 from ._residuals import (
     Residual as Residual,
     residual_bytes as residual_bytes,
     saved_residuals as saved_residuals,
 )
+from ._units import format_bytes as format_bytes, parse_size as parse_size

@@ -1,10 +1,12 @@
 """What the backward pass keeps: the residuals of `jax.vjp`, with names, shapes and bytes."""
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -34,6 +36,7 @@ _TRANSPARENT = {
     "expand_dims",
     "transpose",
     "broadcast_in_dim",
+    "stop_gradient",
 }
 
 
@@ -50,6 +53,12 @@ class Residual(NamedTuple):
             loop length as its leading axis.
         dtype: its dtype.
         nbytes: its size in bytes.
+        loops: the lengths of the `lax.scan`s it is stacked over, outermost first: its
+            leading axes. For blocks run by a scan (`transformer_encoder`) this is
+            `(n_layers,)`, and `nbytes / n_layers` is one layer's share.
+        scope: the `jax.named_scope`s of the operation that computed it, outermost first,
+            joined by "/" (e.g. `"eqx_lowmem.nn.TransformerEncoder/eqx_lowmem.nn.
+            TransformerBlock"`); empty where none is known.
     """
 
     name: str | None
@@ -57,6 +66,8 @@ class Residual(NamedTuple):
     shape: tuple[int, ...]
     dtype: np.dtype
     nbytes: int
+    loops: tuple[int, ...] = ()
+    scope: str = ""
 
 
 def _inner_jaxpr(eqn) -> Any | None:
@@ -67,41 +78,90 @@ def _inner_jaxpr(eqn) -> Any | None:
     return getattr(inner, "jaxpr", inner)  # ClosedJaxpr -> Jaxpr
 
 
-def _describe(var, jaxpr, depth: int = 0) -> tuple[str | None, str, Any]:
-    """(checkpoint name or None, producing primitive, var it was traced back to)."""
+# Name-stack components that are transformations or control flow, not user scopes.
+_TRANSFORM = re.compile(r"^[A-Za-z_]+\((.*)\)$")
+_NOT_SCOPES = {"", "checkpoint", "remat", "rematted_computation", "while", "body", "cond"}
+
+
+def _scopes(eqn) -> list[str]:
+    """The named scopes of an equation, transformations (`jvp(...)`, `vmap(...)`) removed."""
+    out = []
+    for part in str(eqn.source_info.name_stack).split("/"):
+        while (m := _TRANSFORM.match(part)) is not None:
+            part = m.group(1)
+        if part not in _NOT_SCOPES:
+            out.append(part)
+    return out
+
+
+class _Origin(NamedTuple):
+    name: str | None  # checkpoint name, if any
+    prim: str  # the producing primitive ("input" for an input of the jaxpr)
+    var: Any  # the var it was traced back to, at the level of the jaxpr searched
+    loops: tuple[int, ...]  # lengths of the scans it is stacked over, outermost first
+    scope: tuple[str, ...]  # named scopes, outermost first
+
+
+def _describe(var, jaxpr, depth: int = 0) -> _Origin:
+    """Where a var of `jaxpr` comes from: its checkpoint name, primitive, loops and scopes."""
     producers = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     eqn = producers.get(id(var))
     while eqn is not None and depth < 64:
         depth += 1
         prim = eqn.primitive.name
+        scope = tuple(_scopes(eqn))
         if prim == "name":
-            return eqn.params["name"], prim, var
+            return _Origin(eqn.params["name"], prim, var, (), scope)
         inner = _inner_jaxpr(eqn)
         if inner is not None:
             # Outputs of call-like primitives (and of scan: carries, then stacked per-iteration
             # values) are in the order of their sub-jaxpr's outputs.
-            inner_var = inner.outvars[[id(v) for v in eqn.outvars].index(id(var))]
+            index = [id(v) for v in eqn.outvars].index(id(var))
+            loops: tuple[int, ...] = ()
+            if prim == "scan" and index >= eqn.params.get("num_carry", 0):
+                loops = (int(eqn.params["length"]),)
+            inner_var = inner.outvars[index]
             if isinstance(inner_var, jex_core.Literal):
-                return None, prim, var
-            name, inner_prim, _ = _describe(inner_var, inner, depth)
-            return name, prim if inner_prim == "input" else inner_prim, var
+                return _Origin(None, prim, var, loops, scope)
+            got = _describe(inner_var, inner, depth)
+            return _Origin(
+                got.name,
+                prim if got.prim == "input" else got.prim,
+                var,
+                loops + got.loops,
+                scope + got.scope,
+            )
         if prim in _TRANSPARENT and not isinstance(eqn.invars[0], jex_core.Literal):
             var = eqn.invars[0]
             eqn = producers.get(id(var))
             continue
-        return None, prim, var
-    return None, "input", var
+        return _Origin(None, prim, var, (), scope)
+    return _Origin(None, "input", var, (), ())
+
+
+def _is_float(x: Any) -> bool:
+    """A floating-point array, or a `jax.ShapeDtypeStruct` of one: differentiated."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return bool(jnp.issubdtype(x.dtype, jnp.inexact))
+    return eqx.is_inexact_array(x)
+
+
+def _is_abstract(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Residual]:
     """The arrays `jax.vjp` keeps between the forward and the backward pass of `fn`.
 
     Differentiates with respect to every floating-point array in `args` and `kwargs` (as
-    `eqx.filter_vjp` does); other leaves are held fixed. Nothing runs: this traces only.
+    `eqx.filter_vjp` does); other leaves are held fixed. Nothing runs and nothing is
+    allocated: this traces only, so a model and batch given as `jax.ShapeDtypeStruct`s
+    (from `eqx.filter_eval_shape`) work at any size.
 
     Args:
         fn: the function, for example `lambda model, x: model(x)`.
-        *args, **kwargs: its inputs (arrays, or `jax.ShapeDtypeStruct`s).
+        *args, **kwargs: its inputs: arrays or `jax.ShapeDtypeStruct`s (floating ones are
+            differentiated, others such as integer token ids are traced but not).
 
     Returns:
         One `Residual` per saved array, named where a `checkpoint_name` marks it.
@@ -114,18 +174,25 @@ def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[R
         >>> [r.source for r in res if not r.source.startswith("argument args[0]")]
         ['argument args[1]']
     """
-    diff, nondiff = eqx.partition((args, kwargs), eqx.is_inexact_array)
+    diff, nondiff = eqx.partition((args, kwargs), _is_float)
+    # Abstract non-float inputs (integer token ids given as shapes) are traced, not fixed.
+    traced, fixed = eqx.partition(nondiff, _is_abstract)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(diff)
-    paths = [_path(p) for p, _ in paths_leaves]
+    traced_paths_leaves, traced_def = jax.tree_util.tree_flatten_with_path(traced)
+    paths = [_path(p) for p, _ in paths_leaves + traced_paths_leaves]
     leaves = [leaf for _, leaf in paths_leaves]
+    traced_leaves = [leaf for _, leaf in traced_paths_leaves]
 
-    def flat_fn(*flat):
-        a, kw = eqx.combine(jax.tree_util.tree_unflatten(treedef, flat), nondiff)
-        return fn(*a, **kw)
+    def vjp(leaves, traced_leaves):
+        other = eqx.combine(jax.tree_util.tree_unflatten(traced_def, traced_leaves), fixed)
 
-    closed, out_shape = jax.make_jaxpr(lambda *xs: jax.vjp(flat_fn, *xs), return_shape=True)(
-        *leaves
-    )
+        def flat_fn(*flat):
+            a, kw = eqx.combine(jax.tree_util.tree_unflatten(treedef, flat), other)
+            return fn(*a, **kw)
+
+        return jax.vjp(flat_fn, *leaves)
+
+    closed, out_shape = jax.make_jaxpr(vjp, return_shape=True)(leaves, traced_leaves)
     jaxpr = closed.jaxpr
     n_res = len(jax.tree_util.tree_leaves(out_shape[1]))
     res_vars = jaxpr.outvars[len(jaxpr.outvars) - n_res :]
@@ -139,18 +206,28 @@ def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[R
             continue
         seen.add(id(var))
         aval = var.aval
-        name, prim, origin = _describe(var, jaxpr)
-        if id(origin) in invar_path:
-            source = f"argument {invar_path[id(origin)]}"
-            if origin is not var:
+        origin = _describe(var, jaxpr)
+        if id(origin.var) in invar_path:
+            source = f"argument {invar_path[id(origin.var)]}"
+            if origin.var is not var:
                 source += " (transformed)"
-        elif id(origin) in const_ids:
+        elif id(origin.var) in const_ids:
             source = "constant"
         else:
-            source = f"intermediate {prim}"
+            source = f"intermediate {origin.prim}"
         shape = tuple(int(d) for d in aval.shape)
         dtype = np.dtype(aval.dtype)
-        results.append(Residual(name, source, shape, dtype, int(np.prod(shape)) * dtype.itemsize))
+        results.append(
+            Residual(
+                origin.name,
+                source,
+                shape,
+                dtype,
+                int(np.prod(shape)) * dtype.itemsize,
+                origin.loops,
+                "/".join(origin.scope),
+            )
+        )
     return results
 
 

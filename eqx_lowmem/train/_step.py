@@ -195,22 +195,29 @@ class Step:
         """Batches are padded (at weight 0) to a multiple of this: micro-batches x shards."""
         return self.accumulate * self.n_shards
 
-    def lower(self, state: TrainState, batch: tuple, weights=None) -> jax.stages.Lowered:
-        """`jax.jit(...).lower(...)` of the step, for `.compile().memory_analysis()`.
+    def trace(self, state: TrainState, batch: tuple, weights=None) -> jax.stages.Traced:
+        """`jax.jit(...).trace(...)` of the step: its jaxpr (`.jaxpr`), and `.lower()`.
 
         `state` and `batch` may hold `jax.ShapeDtypeStruct`s (for example from
-        `eqx.filter_eval_shape(step.init, model, key=key)`): nothing is allocated.
+        `eqx.filter_eval_shape(step.init, model, key=key)`): nothing is allocated. The batch
+        size must be a multiple of `granularity` (the call pads; this does not).
         """
         size = self._check_batch(tuple(batch), weights)
         if size % self.granularity:
             raise ValueError(
-                f"lower() needs a batch size divisible by {self.granularity}, got {size}."
+                f"trace() and lower() need a batch size divisible by {self.granularity} "
+                f"(accumulate x devices), got {size}."
             )
         sharding = None if self.mesh is None else NamedSharding(self.mesh, P(self.data_axis))
         batch = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding) for x in batch)
         w = jax.ShapeDtypeStruct((size,), jnp.float32, sharding=sharding)
         dynamic, static = eqx.partition(state, _is_dynamic)
-        return self._jitted.lower(batch, w, dynamic, static)
+        return self._jitted.trace(batch, w, dynamic, static)
+
+    def lower(self, state: TrainState, batch: tuple, weights=None) -> jax.stages.Lowered:
+        """`jax.jit(...).lower(...)` of the step, for `.compile().memory_analysis()`: the
+        very program a call runs, with the state donated. Arguments as `trace`."""
+        return self.trace(state, batch, weights).lower()
 
     # -- internals ------------------------------------------------------------------------
 

@@ -1,0 +1,197 @@
+"""The memory report's predicted peak against the device's measured peak.
+
+For each configuration (the guide's transformer in three settings, a causal language
+model and an MLP), a fresh process compiles the training step, predicts its peak
+(`eqx_lowmem.memory.memory_report`), and, on a GPU, runs one step and reads
+`peak_bytes_in_use` (with `XLA_PYTHON_CLIENT_PREALLOCATE=false`). A second process compiles
+the same step for XLA:CPU and records its prediction and its GPU/TPU estimate (for 16-bit
+compute: the float32-compute twin's peak with 16-bit saved activations), the figures a user
+planning on a laptop would see; `cpu_estimate_error` compares that estimate with the GPU.
+On a machine without a GPU only the CPU figures are written. Also times
+`eqx-lowmem report` on the guide's configuration (goal: < 30 s on CPU).
+
+    python benchmarks/memory.py            # writes benchmarks/results/memory.json
+    python benchmarks/memory.py --only guide_full_mixed_x4
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import write_json  # noqa: E402
+
+GUIDE = {"layers": 12, "d_model": 512, "heads": 8, "d_ff": 2048, "seq": 256, "batch": 32}
+# name: (model, remat, accumulate, precision)
+_TABLE = {
+    "guide_none_fp32": ("guide", False, 1, "float32"),
+    "guide_dots_fp32_x2": ("guide", "dots", 2, "float32"),
+    "guide_full_mixed_x4": ("guide", True, 4, "mixed_bf16"),
+    "lm_minimal_mixed": ("lm", "minimal", 1, "mixed_bf16"),
+    "mlp_fp32_x2": ("mlp", False, 2, "float32"),
+}
+CONFIGS = {
+    name: dict(zip(("model", "remat", "accumulate", "precision"), row, strict=True))
+    for name, row in _TABLE.items()
+}
+GOALS = {"gpu_prediction_error": 0.05, "cli_guide_report_seconds_cpu": 30.0}
+
+
+def build(config: dict):
+    """(model, loss_fn, optimizer, batch) of a configuration; batch as shapes."""
+    import jax
+    import jax.numpy as jnp
+    import jax.random as jr
+    import optax
+
+    import eqx_lowmem as el
+
+    key = jr.PRNGKey(0)
+    if config["model"] == "guide":
+        g = GUIDE
+        model = el.nn.transformer_encoder(
+            g["layers"], g["d_model"], g["heads"], g["d_ff"], key=key, remat=config["remat"]
+        )
+        x = jax.ShapeDtypeStruct((g["batch"], g["seq"], g["d_model"]), jnp.float32)
+        return model, el.train.mse, optax.adam(1e-3), (x, x)
+    if config["model"] == "lm":
+        model = el.nn.CausalLM(8192, 256, 6, 512, 8, 2048, key=key, remat=config["remat"])
+        tokens = jax.ShapeDtypeStruct((16, 256), jnp.int32)
+        return model, el.train.next_token_loss, optax.adamw(1e-3), (tokens,)
+    model = el.nn.mlp([1024, 4096, 4096, 1024], key=key)
+    x = jax.ShapeDtypeStruct((512, 1024), jnp.float32)
+    return model, el.train.mse, optax.sgd(1e-2, momentum=0.9), (x, x)
+
+
+def child(name: str, out: str) -> None:
+    """One configuration in this (fresh) process: predict, and measure on an accelerator."""
+    import jax
+
+    import eqx_lowmem as el
+
+    config = CONFIGS[name]
+    model, loss_fn, optimizer, batch = build(config)
+    measure = jax.default_backend() != "cpu"
+    t0 = time.perf_counter()
+    report = el.memory.memory_report(
+        model,
+        loss_fn,
+        optimizer,
+        batch,
+        accumulate=config["accumulate"],
+        precision=config["precision"],
+        measure=measure,
+        name=name,
+    )
+    seconds = time.perf_counter() - t0
+    print(report, flush=True)
+    Path(out).write_text(json.dumps({"seconds": seconds, "report": report.to_dict()}))
+
+
+def run_child(name: str, platform: str | None) -> dict | None:
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    if platform:
+        env["JAX_PLATFORMS"] = platform
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "out.json"
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", name, "--out", str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if done.returncode != 0:
+            print(f"{name} ({platform or 'default'}) failed:\n{done.stderr[-3000:]}", flush=True)
+            return None
+        return json.loads(out.read_text())
+
+
+def time_cli() -> dict:
+    """Wall seconds of `eqx-lowmem report` on the guide's configuration, with --plot, on CPU."""
+    with tempfile.TemporaryDirectory() as tmp:
+        png = Path(tmp) / "guide.png"
+        t0 = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "eqx_lowmem.memory._cli", "report", "--plot", str(png)],
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        seconds = time.perf_counter() - t0
+        ok = done.returncode == 0 and png.stat().st_size > 10_000
+        return {"seconds": seconds, "ok": ok, "stdout": done.stdout[-4000:]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--only", action="append", choices=sorted(CONFIGS))
+    parser.add_argument("--no-cli", action="store_true", help="skip timing the CLI")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.out)
+        return
+
+    import jax
+
+    backend = jax.default_backend()
+    results = {}
+    for name in args.only or CONFIGS:
+        row: dict = {"config": CONFIGS[name]}
+        cpu = run_child(name, "cpu")
+        if cpu is not None:
+            r = cpu["report"]
+            row["cpu"] = {
+                "predicted_peak_bytes": r["peak_bytes"],
+                "accelerator_peak_bytes": r["accelerator_peak_bytes"],
+                "parts": r["parts"],
+                "report_seconds": cpu["seconds"],
+            }
+        if backend != "cpu":
+            acc = run_child(name, None)
+            if acc is not None:
+                r = acc["report"]
+                measured, predicted = r["measured_peak_bytes"], r["peak_bytes"]
+                row[backend] = {
+                    "device": r["device"],
+                    "predicted_peak_bytes": predicted,
+                    "measured_peak_bytes": measured,
+                    "prediction_error": predicted / measured - 1,
+                    "parts": r["parts"],
+                    "compiled": r["compiled"],
+                    "report_seconds": acc["seconds"],
+                }
+                if cpu is not None:
+                    row[backend]["cpu_estimate_error"] = (
+                        row["cpu"]["accelerator_peak_bytes"] / measured - 1
+                    )
+        results[name] = row
+        print(json.dumps({name: row}, indent=1), flush=True)
+
+    summary: dict = {}
+    if backend != "cpu":
+        errors = {n: r[backend]["prediction_error"] for n, r in results.items() if backend in r}
+        summary["gpu_prediction_error"] = errors
+        summary["gpu_within_goal"] = {
+            n: abs(e) <= GOALS["gpu_prediction_error"] for n, e in errors.items()
+        }
+    if not args.no_cli:
+        cli = time_cli()
+        summary["cli_guide_report_seconds_cpu"] = cli["seconds"]
+        summary["cli_ok"] = cli["ok"]
+        print(cli["stdout"], flush=True)
+    print(json.dumps(summary, indent=1), flush=True)
+    path = write_json("memory", {"goals": GOALS, "summary": summary, "results": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""The planner: the fastest fitting combination, monotone in the budget; and the plots."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import optax
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import eqx_lowmem as el
+
+BATCH = 8
+
+
+def make_model(remat):
+    return el.nn.transformer_encoder(2, 32, 4, 64, key=jr.PRNGKey(0), remat=remat)
+
+
+def _batch():
+    x = jax.ShapeDtypeStruct((BATCH, 16, 32), jnp.float32)
+    return (x, x)
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """A plan over 2 remats x 2 usable accumulates x 2 precisions, with room for all."""
+    return el.memory.plan(
+        make_model,
+        el.train.mse,
+        optax.adam(1e-3),
+        _batch(),
+        budget="1GiB",
+        remats=(False, True),
+        accumulates=(1, 2, 3),
+        precisions=("float32", "mixed_bf16"),
+    )
+
+
+def test_plan_returns_the_fastest_fitting_combination(planned):
+    assert planned.budget == 2**30 and planned.target == "compiled"
+    assert len(planned.candidates) == 8
+    assert planned.skipped == ("accumulate=3: does not divide the batch of 8",)
+    best = planned.best
+    assert best.fits and best.peak_bytes <= planned.budget
+    # Everything fits: the fewest matrix FLOPs (no recomputation), one micro-batch, and on
+    # XLA:CPU float32 compute (which it runs natively).
+    assert (best.remat, best.accumulate, best.precision) == (False, 1, "float32")
+    assert best.flops == min(c.flops for c in planned.candidates if c.precision == "float32")
+    for c in planned.candidates:
+        assert c.peak_bytes == c.report.peak_bytes
+        assert c.flops == c.report.cost.flops
+        assert c.report.config["accumulate"] == c.accumulate
+        assert c.report.config["remat"] == ("full" if c.remat else "none")
+    # Recomputation costs matrix FLOPs; micro-batches do not.
+    by = {(c.remat, c.accumulate, c.precision): c for c in planned.candidates}
+    assert by[True, 1, "float32"].report.cost.matmul_flops > best.report.cost.matmul_flops
+    assert by[False, 2, "float32"].report.cost.matmul_flops == best.report.cost.matmul_flops
+    text = str(planned)
+    assert "<- best" in text and "skipped: accumulate=3" in text
+
+
+def test_a_tighter_budget_trades_speed_for_memory(planned):
+    smallest = min(c.peak_bytes for c in planned.candidates)
+    tight = planned.within(smallest)
+    assert tight.best.peak_bytes == smallest
+    assert tight.best.fits and sum(c.fits for c in tight.candidates) >= 1
+    # Between: the choice fits, and every faster candidate does not.
+    middle = planned.within((smallest + planned.best.peak_bytes) // 2)
+    assert middle.best.peak_bytes <= middle.budget
+    assert middle.best.peak_bytes < planned.best.peak_bytes
+
+
+def test_a_smaller_budget_never_returns_a_larger_peak(planned):
+    peaks = sorted({c.peak_bytes for c in planned.candidates})
+    budgets = sorted({p + d for p in peaks for d in (-1, 0, 1)} | {2**30}, reverse=True)
+    chosen = []
+    for budget in budgets:
+        try:
+            chosen.append(planned.within(budget).best.peak_bytes)
+        except el.memory.BudgetError:
+            assert budget < peaks[0]
+    assert chosen == sorted(chosen, reverse=True)
+    assert len(chosen) == sum(b >= peaks[0] for b in budgets)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_monotone_for_any_pair_of_budgets(planned, data):
+    lo = min(c.peak_bytes for c in planned.candidates)
+    hi = max(c.peak_bytes for c in planned.candidates)
+    small = data.draw(st.integers(lo, hi))
+    large = data.draw(st.integers(small, hi + 1))
+    assert planned.within(small).best.peak_bytes <= planned.within(large).best.peak_bytes
+
+
+def test_planning_for_an_accelerator_prefers_16_bit_compute(planned):
+    # Same candidates, ranked for a GPU: equal matrix FLOPs go to bf16 compute.
+    for_gpu = dataclasses.replace(planned, target="accelerator").within(planned.budget)
+    assert (for_gpu.best.remat, for_gpu.best.accumulate) == (False, 1)
+    assert for_gpu.best.precision == "mixed_bf16"
+
+
+def test_an_impossible_budget_names_the_smallest_peak_and_its_largest_part():
+    with pytest.raises(el.memory.BudgetError) as info:
+        el.memory.plan(
+            make_model,
+            el.train.mse,
+            optax.adam(1e-3),
+            _batch(),
+            budget="64KiB",
+            remats=(True,),
+            accumulates=(2,),
+            precisions=("float32",),
+        )
+    error = info.value
+    (only,) = error.candidates
+    assert error.smallest is only and not only.fits
+    part, _ = only.report.dominant
+    message = str(error)
+    assert "budget=64.0 KiB" in message
+    assert el.memory.format_bytes(only.peak_bytes) in message
+    assert "remat=full, accumulate=2, precision=float32" in message
+    assert el.memory._report.PART_LABELS[part] in message
+
+
+def test_errors_name_the_argument(planned):
+    args = (make_model, el.train.mse, optax.sgd(0.1), _batch())
+    with pytest.raises(ValueError, match="not a byte size"):
+        el.memory.plan(*args, budget="lots")
+    with pytest.raises(ValueError, match="no accumulate in .3, 5. divides the batch of 8"):
+        el.memory.plan(*args, budget="1GiB", accumulates=(3, 5))
+    with pytest.raises(ValueError, match="nothing to search"):
+        el.memory.plan(*args, budget="1GiB", remats=())
+    with pytest.raises(ValueError, match="target="):
+        el.memory.plan(*args, budget="1GiB", target="tpu")
+
+
+def test_measured_plan_times_the_fitting_candidates():
+    def tiny(remat):
+        return el.nn.transformer_encoder(1, 16, 2, 32, key=jr.PRNGKey(0), remat=remat)
+
+    x = jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)
+    result = el.memory.plan(
+        tiny,
+        el.train.mse,
+        optax.sgd(0.1),
+        (x, x),
+        budget="1GiB",
+        remats=(False,),
+        accumulates=(1,),
+        precisions=("float32",),
+        measure=True,
+        steps=1,
+    )
+    assert result.ranked_by == "measured"
+    assert result.best.seconds is not None and result.best.seconds > 0
+    assert "s/step" in str(result)
+
+
+def test_plan_json_and_plots(planned, tmp_path):
+    payload = json.loads(planned.to_json(tmp_path / "plan.json"))
+    assert json.loads((tmp_path / "plan.json").read_text()) == payload
+    assert len(payload["candidates"]) == 8
+    best = payload["candidates"][payload["best"]]
+    assert (best["remat"], best["accumulate"], best["precision"]) == ("none", 1, "float32")
+
+    scatter = tmp_path / "plan.png"
+    el.memory.plot_plan(planned, scatter)
+    reports = [c.report for c in planned.candidates[:3]]
+    bars = tmp_path / "bars.png"
+    el.memory.plot_report(reports, bars, budget=int(1.2 * max(r.peak_bytes for r in reports)))
+    pie = tmp_path / "pie.png"
+    el.memory.plot_report(reports[0], pie, kind="pie")
+    image = pytest.importorskip("matplotlib.image")
+    for path in (scatter, bars, pie):
+        pixels = image.imread(path)
+        assert pixels.shape[0] > 500 and pixels.shape[1] > 800  # 150 dpi, a few inches
+        assert pixels.std() > 0.05  # not blank
+    # Written atomically: nothing but the outputs is left.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bars.png",
+        "pie.png",
+        "plan.json",
+        "plan.png",
+    ]
+    with pytest.raises(ValueError, match="2 labels for 3 reports"):
+        el.memory.plot_report(reports, labels=["a", "b"])
+    with pytest.raises(ValueError, match="kind="):
+        el.memory.plot_report(reports, kind="donut")

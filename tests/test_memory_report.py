@@ -1,0 +1,260 @@
+"""The memory report: its parts are the compiled step's memory, split where it goes."""
+
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+
+import eqx_lowmem as el
+
+LAYERS, D, HEADS, FF, SEQ, BATCH = 2, 32, 4, 64, 16, 8
+
+
+def _encoder(remat: object = False):
+    return el.nn.transformer_encoder(LAYERS, D, HEADS, FF, key=jr.PRNGKey(0), remat=remat)
+
+
+def _batch():
+    x = jax.ShapeDtypeStruct((BATCH, SEQ, D), jnp.float32)
+    return (x, x)
+
+
+def _nbytes(tree, keep=eqx.is_array):
+    return sum(x.nbytes for x in jax.tree.leaves(tree) if keep(x))
+
+
+@pytest.fixture(scope="module")
+def adam_report():
+    """Adam, accumulate=2, float32: the model, its step and the step's report."""
+    model = _encoder()
+    step = el.train.make_step(el.train.mse, optax.adam(1e-3), accumulate=2)
+    report = el.memory.memory_report(model, el.train.mse, optax.adam(1e-3), _batch(), accumulate=2)
+    return model, step, report
+
+
+def test_parts_add_up_to_the_compiled_peak_of_the_real_step(adam_report):
+    model, step, report = adam_report
+    assert tuple(report.parts) == el.memory.PARTS
+    assert sum(report.parts.values()) == report.peak_bytes
+    # The step that runs, compiled with real arrays through Step.lower.
+    state = step.init(model, key=jr.PRNGKey(0))
+    x = jnp.zeros((BATCH, SEQ, D))
+    analysis = step.lower(state, (x, x)).compile().memory_analysis()
+    expected = (
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        + analysis.temp_size_in_bytes
+        - analysis.alias_size_in_bytes
+    )
+    assert report.peak_bytes == expected
+    assert report.compiled["temp"] == analysis.temp_size_in_bytes
+    assert report.compiled["alias"] == analysis.alias_size_in_bytes
+
+
+def test_parameter_gradient_optimizer_and_batch_parts_are_the_real_pytrees(adam_report):
+    model, step, report = adam_report
+    state = step.init(model, key=jr.PRNGKey(0))
+    x = jnp.ones((BATCH, SEQ, D))
+    grads = eqx.filter_grad(lambda m: jnp.sum(el.train.mse(m, x, x)))(state.model)
+    assert report.parts["parameters"] == _nbytes(state.model, eqx.is_inexact_array)
+    assert report.parts["gradients"] == _nbytes(grads, eqx.is_inexact_array)
+    assert report.parts["accumulator"] == report.parts["gradients"]  # accumulate=2
+    assert report.parts["optimizer"] == _nbytes(state.opt_state)
+    # Adam: two moments per parameter, and a 4-byte step counter.
+    assert report.parts["optimizer"] == 2 * report.parts["parameters"] + 4
+    # Both arrays of the batch, and the step's per-sample weights.
+    assert report.parts["batch"] == 2 * BATCH * SEQ * D * 4 + BATCH * 4
+    assert report.config["parameters"] * 4 == report.parts["parameters"]
+
+
+def test_abstract_and_concrete_models_give_the_same_report(adam_report):
+    _, _, report = adam_report
+    again = el.memory.memory_report(
+        eqx.filter_eval_shape(_encoder), el.train.mse, optax.adam(1e-3), _batch(), accumulate=2
+    )
+    assert again.to_dict() == report.to_dict()
+
+
+@pytest.fixture(scope="module")
+def sgd_reports():
+    """SGD reports of the same encoder: no remat, remat="minimal", and 4 micro-batches."""
+    opt = optax.sgd(0.1)
+    return {
+        "plain": el.memory.memory_report(_encoder(False), el.train.mse, opt, _batch()),
+        "minimal": el.memory.memory_report(_encoder("minimal"), el.train.mse, opt, _batch()),
+        "micro": el.memory.memory_report(
+            _encoder(False), el.train.mse, opt, _batch(), accumulate=4
+        ),
+    }
+
+
+def test_remat_and_accumulation_lower_the_activations(sgd_reports):
+    plain, remat, micro = sgd_reports["plain"], sgd_reports["minimal"], sgd_reports["micro"]
+    assert remat.parts["activations"] < plain.parts["activations"] / 2
+    # A quarter of the batch per micro-batch (the per-layer weight slices the scan saves do
+    # not shrink).
+    assert micro.parts["activations"] < plain.parts["activations"] / 2
+    assert remat.peak_bytes < plain.peak_bytes
+    assert micro.peak_bytes < plain.peak_bytes
+    assert plain.config["remat"] == "none" and remat.config["remat"] == "minimal"
+    # SGD keeps no state; accumulate=1 has no accumulator.
+    assert plain.parts["optimizer"] == 0 and plain.parts["accumulator"] == 0
+    assert micro.parts["accumulator"] == micro.parts["gradients"]
+    # The same matrix products, plus the recomputed ones; every loop counted.
+    assert remat.cost.matmul_flops > plain.cost.matmul_flops
+    assert micro.cost.matmul_flops == plain.cost.matmul_flops
+
+
+def test_activation_groups_name_checkpoints_and_layers(sgd_reports):
+    report = sgd_reports["minimal"]
+    named = {g.label: g for g in report.activations if g.name is not None}
+    assert set(named) == set(el.nn.MINIMAL_NAMES)
+    qkv = named["qkv"]
+    # One per layer, stacked by the scan over layers: (layers, batch, seq, 3 * d_model).
+    assert qkv.loops == (LAYERS,)
+    assert qkv.shape == (LAYERS, BATCH, SEQ, 3 * D)
+    assert qkv.nbytes == LAYERS * BATCH * SEQ * 3 * D * 4
+    assert qkv.scope.endswith("TransformerBlock")
+    assert sum(g.nbytes for g in report.activations) == report.parts["activations"]
+    assert report.residuals_by_dtype == {"float32": report.parts["activations"]}
+    text = str(report)
+    assert "qkv" in text and "x2" in text and "predicted peak" in text
+
+
+def test_cpu_report_with_bf16_says_which_figure_to_trust():
+    model = el.nn.mlp([32, 256, 256, 32], key=jr.PRNGKey(0))
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    report = el.memory.memory_report(
+        model, el.train.mse, optax.adam(1e-3), (x, x), precision="half_bf16"
+    )
+    assert report.backend == "cpu"
+    n = report.config["parameters"]
+    assert report.parts["parameters"] == 2 * n  # 16-bit parameters
+    assert report.parts["gradients"] == 4 * n  # the accumulated gradient stays float32
+    # Two 16-bit moments per parameter, and a few scalar counters.
+    assert 4 * n <= report.parts["optimizer"] < 4 * n + 64
+    assert report.residuals_by_dtype["bfloat16"] >= 2 * 64 * 256 * 2  # two hidden layers
+    # The GPU/TPU estimate: the same step computing in float32, compiled here, with its
+    # saved activations replaced by the 16-bit ones.
+    twin = el.memory.memory_report(
+        model,
+        el.train.mse,
+        optax.adam(1e-3),
+        (x, x),
+        precision=el.precision.Policy(jnp.bfloat16, jnp.float32, jnp.float32),
+    )
+    assert twin.accelerator_peak_bytes == twin.peak_bytes  # float32 compute: no estimate
+    assert twin.parts["parameters"] == report.parts["parameters"]
+    assert twin.parts["optimizer"] == report.parts["optimizer"]
+    assert twin.parts["activations"] > report.parts["activations"]
+    expected = twin.peak_bytes - twin.parts["activations"] + report.parts["activations"]
+    assert report.accelerator_peak_bytes == expected < twin.peak_bytes
+    assert report.trusted == {"cpu": "peak_bytes", "gpu": "accelerator_peak_bytes"}
+    assert any("float32" in note and "CPU" in note for note in report.notes)
+    assert "estimate for a GPU/TPU" in str(report)
+
+
+def test_json_export_round_trips_and_writes_atomically(adam_report, tmp_path):
+    _, _, report = adam_report
+    path = tmp_path / "sub" / "report.json"
+    text = report.to_json(path)
+    assert json.loads(path.read_text()) == json.loads(text) == report.to_dict()
+    assert [p.name for p in path.parent.iterdir()] == ["report.json"]  # no temp file left
+    payload = json.loads(text)
+    assert sum(payload["parts"].values()) == payload["peak_bytes"]
+    assert payload["dominant"] == report.dominant[0]
+
+
+def test_errors_name_the_argument():
+    model, opt = _encoder(), optax.sgd(0.1)
+    with pytest.raises(ValueError, match="not divisible by accumulate=3"):
+        el.memory.memory_report(model, el.train.mse, opt, _batch(), accumulate=3)
+    with pytest.raises(ValueError, match="first .batch. dimension"):
+        x = jax.ShapeDtypeStruct((BATCH, SEQ, D), jnp.float32)
+        y = jax.ShapeDtypeStruct((BATCH + 1, SEQ, D), jnp.float32)
+        el.memory.memory_report(model, el.train.mse, opt, (x, y))
+    with pytest.raises(TypeError, match="tuple of arrays"):
+        el.memory.memory_report(model, el.train.mse, opt, jnp.zeros((BATCH, SEQ, D)))
+    with pytest.raises(ValueError, match="model_state"):
+        el.memory.memory_report(model, el.train.mse, opt, _batch(), has_state=True)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU has no memory statistics")
+def test_measure_on_cpu_explains_what_it_needs():
+    with pytest.raises(ValueError, match="GPU or TPU"):
+        el.memory.memory_report(
+            el.nn.mlp([4, 8, 1], key=jr.PRNGKey(0)),
+            el.train.mse,
+            optax.sgd(0.1),
+            (jnp.zeros((4, 4)), jnp.zeros((4, 1))),
+            measure=True,
+        )
+
+
+# ------------------------------------------------------------------------ building blocks
+
+
+def test_jaxpr_cost_counts_every_scan_iteration_and_matches_xla_without_loops():
+    w = jnp.ones((3, 16, 16))
+
+    def scanned(x):
+        return jax.lax.scan(lambda h, wi: (h @ wi, None), x, w)[0]
+
+    cost = el.memory.jaxpr_cost(jax.make_jaxpr(scanned)(jnp.ones((4, 16))))
+    assert cost.matmul_flops == 3 * 2 * 4 * 16 * 16
+    # A model without loops: XLA's own count agrees.
+    model = el.nn.mlp([16, 64, 4], key=jr.PRNGKey(0))
+
+    def loss(m, x):
+        return jnp.sum(jax.vmap(m)(x) ** 2)
+
+    x = jnp.ones((32, 16))
+    grad = eqx.filter_jit(eqx.filter_grad(loss))
+    xla = grad.lower(model, x).compile().compiled.cost_analysis()
+    xla = xla[0] if isinstance(xla, list) else xla
+    mine = el.memory.jaxpr_cost(eqx.filter_make_jaxpr(eqx.filter_grad(loss))(model, x)[0])
+    assert mine.flops == pytest.approx(xla["flops"], rel=0.05)
+
+
+def test_saved_residuals_take_shapes_including_integer_inputs():
+    lm = eqx.filter_eval_shape(lambda: el.nn.CausalLM(50, 12, 2, 16, 2, 32, key=jr.PRNGKey(0)))
+    tokens = jax.ShapeDtypeStruct((3, 12), jnp.int32)
+    res = el.memory.saved_residuals(
+        lambda m, t: jnp.sum(el.train.next_token_loss(m, t)[0]), lm, tokens
+    )
+    scanned = [r for r in res if r.loops]
+    assert scanned and all(r.loops == (2,) and r.shape[0] == 2 for r in scanned)
+    assert all(r.nbytes == np.prod(r.shape) * r.dtype.itemsize for r in res)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("2GiB", 2 * 2**30),
+        ("512MiB", 512 * 2**20),
+        ("1.5GB", 1_500_000_000),
+        ("1.5 gib", 3 * 2**29),
+        ("4096", 4096),
+        (4096, 4096),
+    ],
+)
+def test_parse_size(text, expected):
+    assert el.memory.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["2 GiBs", "GiB", "-1GiB", "1e9", ""])
+def test_parse_size_rejects_what_is_not_a_size(bad):
+    with pytest.raises(ValueError, match="not a byte size"):
+        el.memory.parse_size(bad)
+
+
+def test_format_bytes():
+    assert el.memory.format_bytes(3 * 2**29) == "1.50 GiB"
+    assert el.memory.format_bytes(512 * 2**20) == "512.0 MiB"
+    assert el.memory.format_bytes(-2048) == "-2.00 KiB"
+    assert el.memory.format_bytes(12) == "12 B"
