@@ -1,0 +1,39 @@
+"""The examples run as a user runs them: real processes."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def _run(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    )
+
+
+def test_char_lm_trains_and_a_second_run_resumes(tmp_path):
+    tiny = [
+        "--run-dir", tmp_path, "--max-chars", 12000, "--seq", 32, "--layers", 1,
+        "--d-model", 32, "--heads", 2, "--batch", 8, "--accumulate", 2,
+        "--checkpoint-every", 5, "--sample-chars", 20, "--no-progress",
+    ]  # fmt: skip
+    first = _run(EXAMPLES / "train_char_lm.py", *tiny, "--epochs", 1)
+    assert "unigram entropy" in first.stdout and "sample:" in first.stdout
+    assert (tmp_path / "checkpoint" / "checkpoint.eqx").exists()
+    assert "resuming" not in first.stdout
+    second = _run(EXAMPLES / "train_char_lm.py", *tiny, "--epochs", 2)
+    assert "resuming from" in second.stdout and "1 epoch(s) done" in second.stdout
+    # The second run trained only the second epoch.
+    assert "epoch  train loss" in second.stdout
+    assert second.stdout.count("\n    2 ") == 1
+
+
+def test_stream_example_prints_the_guides_output():
+    out = _run(EXAMPLES / "stream.py").stdout
+    assert out.splitlines()[0] == "[[0, 1, 2, 3], [4, 5]]"
