@@ -118,21 +118,30 @@ def epoch_ids(batches) -> np.ndarray:
     return np.sort(np.concatenate([x.reshape(x.shape[0], -1)[:, 0] for (x, *_) in batches]))
 
 
+# Each timing is the median of at least this much time in epochs: an epoch of 1 KiB samples
+# takes about a millisecond, which one preemption on a shared machine would double.
+MIN_TIMING_S = 0.03
+
+
 def check_and_time(methods: dict, repeats: int, epochs: int) -> dict:
     """Check that each method serves every sample once, then time it; the methods are
-    interleaved round by round, so drift in the machine hits all alike."""
+    interleaved round by round, so drift in the machine hits all alike. A timing is the
+    median of `epochs` epochs, or of more when they are short (`MIN_TIMING_S`)."""
     rates = {}
+    per_timing = {}
     for name, epoch in methods.items():
+        t0 = time.perf_counter()
         ids = epoch_ids(epoch())
+        per_timing[name] = max(epochs, int(MIN_TIMING_S / (time.perf_counter() - t0)) + 1)
         exact = ids.shape == (N,) and bool((ids == np.arange(N)).all())
         if not exact:
             print(f"  {name}: {np.unique(ids).size} distinct of {N} samples, {ids.size} served")
-        rates[name] = {"exactly_once": exact}
+        rates[name] = {"exactly_once": exact, "epochs_per_timing": per_timing[name]}
     times: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(repeats):
         for name, epoch in methods.items():
             run = lambda e=epoch: consume(e())  # noqa: E731
-            times[name].append(time_median(run, repeats=epochs, burn_in=1))
+            times[name].append(time_median(run, repeats=per_timing[name], burn_in=1))
     for name in methods:
         rates[name]["samples_per_s"] = N / float(np.median(times[name]))
     return rates
@@ -264,7 +273,9 @@ def prefetch_overlap(path: Path, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="rounds over all methods")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs per timing (median)")
+    parser.add_argument(
+        "--epochs", type=int, default=3, help="epochs per timing (median), at least"
+    )
     args = parser.parse_args()
 
     results: dict = {"samples": N, "batch": BATCH, "shuffle_buffer": BUFFER, "goals": GOALS}

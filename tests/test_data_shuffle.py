@@ -45,18 +45,24 @@ def test_every_sample_served_once_per_epoch(kind, n, batch_size, buffer, shuffle
 
 
 def test_block_and_window_edges():
-    """Sizes around the block (buffer // 128) and window boundaries, and one short block."""
+    """Sizes around the block (buffer // 128) and window boundaries, one short block, and
+    block orders stored (up to 16384 blocks) and computed."""
     for n in [1, 2, 127, 128, 129, 1023, 1024, 1025, 2049, 5000]:
         for buffer in [1, 3, 128, 129, 256, 300, 1000, 5000]:
             for batch_size in [1, 32, 33]:
                 stream = DataStream((np.arange(n),), batch_size, buffer, key=n + buffer)
                 flat = [i for b in served(stream) for i in b]
                 assert sorted(flat) == list(range(n)), (n, buffer, batch_size)
+    for n in [16384, 16385, 40_001]:
+        for buffer in [1, 200, 300]:
+            stream = DataStream((np.arange(n),), 33, buffer, key=n + buffer)
+            flat = np.concatenate([b[0] for b in stream])
+            np.testing.assert_array_equal(np.sort(flat), np.arange(n))
 
 
 def test_global_order_of_large_sizes():
-    """Above 1024 samples the global order is a Feistel network with cycle walking."""
-    for n in [1025, 4097, 70_001]:
+    """Above 16384 samples the global order is a Feistel network with cycle walking."""
+    for n in [1025, 16384, 16385, 32_769, 70_001]:
         stream = DataStream((np.arange(n),), 1000, key=n)
         flat = np.concatenate([b[0] for b in stream])
         np.testing.assert_array_equal(np.sort(flat), np.arange(n))
@@ -92,8 +98,8 @@ def test_keys_of_every_kind():
 
 def test_global_shuffle_places_samples_uniformly():
     """Which tenth of the epoch sample 0 lands in, over 400 epochs of 8 keys, for sizes
-    stored (<= 1024) and computed (a Feistel network): a chi-squared test."""
-    for n in [20, 1500]:
+    stored (<= 16384) and computed (a Feistel network): a chi-squared test."""
+    for n in [20, 1500, 20_000]:
         counts = np.zeros(10)
         for key in range(8):
             stream = DataStream((np.arange(n),), n // 10, key=key)  # 10 batches an epoch

@@ -149,6 +149,31 @@ def test_batches_are_never_overwritten():
             assert_same_batches(kept, list(DataStream(source, 6, **kwargs)))
 
 
+def test_batches_held_across_groups_are_never_overwritten(tmp_path):
+    """Small shuffled batches are slices of one array per group of batches: keep every
+    batch (as served, and a copy taken then) over several groups and epochs, and check
+    that none changed, none overlaps another or the file, and each belongs to the caller."""
+    n = 1000
+    x = np.arange(n * 4, dtype=np.float32).reshape(n, 4)
+    np.save(tmp_path / "x.npy", x)
+    for kwargs in [{"key": 0}, {"shuffle_buffer": 64, "key": 0}]:
+        stream = DataStream((tmp_path / "x.npy", np.arange(n)), 10, **kwargs)
+        mapped = stream._arrays[0]
+        kept, copies = [], []
+        for _ in range(3):  # 100 batches an epoch: groups of 8 and a partial group
+            for batch in stream:
+                kept.append(batch)
+                copies.append(tuple(a.copy() for a in batch))
+        assert_same_batches(kept, copies)
+        for bx, by in kept[:20]:
+            assert not np.shares_memory(bx, mapped)
+            np.testing.assert_array_equal(bx, x[by])
+        for (a, _), (b, _) in zip(kept[:30], kept[1:31], strict=True):
+            assert not np.shares_memory(a, b)
+        kept[0][0][:] = -1  # writing a served batch leaves its neighbours alone
+        assert_same_batches(kept[1:], copies[1:])
+
+
 # ----------------------------------------------------------------------------- state
 
 
@@ -215,6 +240,40 @@ def test_resume_equals_the_uninterrupted_stream(
     resumed.set_state(state)
     after = take(resumed, total - stop)
     assert_same_batches(before + after, reference)
+
+
+@pytest.mark.parametrize("width", [0, 300])  # small batches, grouped; batches of 38 KiB
+@pytest.mark.parametrize("mode", [{"key": 4}, {"shuffle_buffer": 300, "key": 4}])
+@pytest.mark.parametrize("processes, drop_last", [(1, False), (3, True)])
+def test_resume_across_chunks_and_groups(width, mode, processes, drop_last):
+    """Resuming at batches around the groups of 8 and the chunks of 16384 indices, for
+    more samples than a stored permutation holds, in one process and in three."""
+    n = 17_001 if width else 40_003
+    x = np.arange(n)
+    y = np.repeat(np.arange(n, dtype=np.float32)[:, None], max(width, 1), axis=1)
+
+    def make(p):
+        return DataStream(
+            (x, y),
+            32 * processes,
+            drop_last=drop_last,
+            process_index=p,
+            process_count=processes,
+            **mode,
+        )
+
+    num_batches = make(0).num_batches
+    total = num_batches + 9  # into the second epoch
+    stops = [1, 7, 8, 9, 511, 512, 513, num_batches - 1, num_batches + 3]
+    for p in {0, processes - 1}:
+        reference = take(make(p), total)
+        for stop in [s for s in stops if s <= total]:
+            first = make(p)
+            before = take(first, stop)
+            resumed = make(p)
+            resumed.set_state(json.loads(json.dumps(first.state())))
+            after = take(resumed, total - stop)
+            assert_same_batches(before + after, reference)
 
 
 def test_set_state_rejects_another_streams_state():
