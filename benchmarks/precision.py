@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo, if not installed
 from _common import time_median, write_json  # noqa: E402
 
 import eqx_lowmem as el  # noqa: E402

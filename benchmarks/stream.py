@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo, if not installed
 from _common import time_median, write_json  # noqa: E402
 
 from eqx_lowmem.data import DataStream  # noqa: E402
