@@ -1,6 +1,16 @@
-import jax
-import jax.random as jr
-import pytest
+import os
+
+# Compile faster: on XLA:CPU, LLVM's optimisation of the generated machine code is most of
+# the compile time, and the tests compile hundreds of small programs. It changes neither
+# buffer assignment (the memory figures tests assert) nor floating-point semantics (no
+# fast-math). Must be set before JAX starts its backend; subprocesses inherit it.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+).strip()
+
+import jax  # noqa: E402
+import jax.random as jr  # noqa: E402
+import pytest  # noqa: E402
 
 # Strict promotion catches silent float64/int upcasts and accidental broadcasting.
 jax.config.update("jax_numpy_dtype_promotion", "strict")

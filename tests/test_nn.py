@@ -188,3 +188,10 @@ def test_encoder_rejects_bad_arguments(getkey, kwargs, match):
     # argument too.
     with pytest.raises((ValueError, TypeError), match=match):
         el.nn.transformer_encoder(args.pop("n_layers"), 8, 2, 16, key=getkey(), **args)
+
+
+def test_remat_aliases():
+    block = el.nn.TransformerBlock(8, 2, 8, key=jr.PRNGKey(0), remat=True)
+    assert block.remat == "full" and block.chunk_size == 64
+    assert el.nn.TransformerBlock(8, 2, 8, key=jr.PRNGKey(0), remat=False).remat == "none"
+    assert el.nn.TransformerBlock(8, 2, 8, key=jr.PRNGKey(0), remat="dots").chunk_size is None

@@ -139,7 +139,8 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent(
 
 
 def test_data_parallel_equals_single_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    env = dict(os.environ, XLA_FLAGS=flags.strip())
     out = _run(DATA_PARALLEL_SCRIPT, env=env)
     assert "float32 equal True" in out.stdout
     assert "reductions outside loops: ok" in out.stdout
