@@ -5,6 +5,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -72,3 +74,35 @@ def time_median(fn: Callable[[], Any], *, repeats: int = 5, burn_in: int = 2) ->
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def compiled_memory(compiled) -> dict[str, int] | None:
+    """Bytes from `compiled.memory_analysis()`, with peak = argument + output + temp - alias
+    (XLA:CPU's own `peak_memory_in_bytes` leaves the temporaries out)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    out = {
+        "argument": m.argument_size_in_bytes,
+        "output": m.output_size_in_bytes,
+        "temp": m.temp_size_in_bytes,
+        "alias": m.alias_size_in_bytes,
+    }
+    out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
+
+
+MARKER = "RESULT "
+
+
+def spawn(script: str | Path, spec: dict, *, timeout: float = 1800) -> dict:
+    """Run `script --worker <spec as JSON>` in a fresh Python process; return the JSON it
+    printed on its last line starting with `MARKER`."""
+    cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
+    if proc.returncode or not lines:
+        raise RuntimeError(
+            f"worker {spec} failed with exit code {proc.returncode}:\n{proc.stderr[-4000:]}"
+        )
+    return json.loads(lines[-1][len(MARKER) :])

@@ -40,7 +40,10 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo, if not installed
-from _common import write_json  # noqa: E402
+from _common import (
+    compiled_memory as memory,  # noqa: E402
+    write_json,  # noqa: E402
+)
 
 import eqx_lowmem as el  # noqa: E402
 
@@ -55,20 +58,6 @@ RTOL = 1e-5  # relative to the parameters' norm, per leaf
 GOALS = {"scan_k4_vs_whole_batch": 0.95, "scan_k4_vs_multisteps_k4": 1.2}
 MEASURED_BEFORE = "FINDINGS.md, CPU: MultiSteps 0.91 updates/s, a plain scan 1.11, whole batch 1.04"
 MIB = 2**20
-
-
-def memory(compiled) -> dict | None:
-    m = compiled.memory_analysis()
-    if m is None:
-        return None
-    out = {
-        "argument": m.argument_size_in_bytes,
-        "output": m.output_size_in_bytes,
-        "temp": m.temp_size_in_bytes,
-        "alias": m.alias_size_in_bytes,
-    }
-    out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
-    return out
 
 
 def tree_bytes(tree) -> int:

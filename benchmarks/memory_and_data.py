@@ -60,7 +60,12 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo, if not installed
-from _common import write_json  # noqa: E402
+from _common import (  # noqa: E402
+    MARKER,
+    compiled_memory as _memory,  # noqa: E402
+    spawn as _spawn,  # noqa: E402
+    write_json,
+)
 
 GUIDE = {"n_layers": 12, "d_model": 512, "n_heads": 8, "d_ff": 2048, "seq": 256, "batch": 32}
 # CPU timing: 4 blocks (segments of 2), seq 128 (2 attention chunks of 64 under remat), a
@@ -148,7 +153,6 @@ CONFIGS = {
 STREAM_SAMPLES = 3200  # of 64 KiB: a 200 MiB file (stream.py's own uses 6400)
 STREAM_REPEATS = 5
 STREAM_EPOCHS = 3
-MARKER = "RESULT "
 GPU_BUDGET_S = 300  # the issue: the guide's size on the H200 within 5 minutes
 MIB = 2**20
 
@@ -286,10 +290,8 @@ def build(cfg: dict, spec: dict):
 
 
 def compiled_memory(compiled) -> dict | None:
-    """accumulate.py's argument + output + temp - alias, plus XLA's own peak where given."""
-    from accumulate import memory
-
-    out = memory(compiled)
+    """argument + output + temp - alias, plus XLA's own peak where given."""
+    out = _memory(compiled)
     if out is not None:
         peak = getattr(compiled.memory_analysis(), "peak_memory_in_bytes", None)
         out["xla_peak_memory_in_bytes"] = peak
@@ -488,18 +490,6 @@ def worker(spec: dict) -> dict:
 # -------------------------------------------------------------------------------- parent
 
 
-def spawn(spec: dict) -> dict:
-    """Run one worker in a fresh Python process and return what it printed."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
-    if proc.returncode or not lines:
-        raise RuntimeError(
-            f"worker {spec} failed with exit code {proc.returncode}:\n{proc.stderr[-4000:]}"
-        )
-    return json.loads(lines[-1][len(MARKER) :])
-
-
 def relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
@@ -522,7 +512,7 @@ def run_workers(names: list[str], args, start: float):
             "matmul_precision": args.matmul_precision,
         }
         try:
-            runs[name] = out = spawn(spec)
+            runs[name] = out = _spawn(__file__, spec)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             if name == "baseline":
                 raise
@@ -536,7 +526,7 @@ def run_workers(names: list[str], args, start: float):
             flush=True,
         )
     t0 = time.perf_counter()
-    stream_out = spawn({"kind": "stream"})
+    stream_out = _spawn(__file__, {"kind": "stream"})
     print(f"  stream table ({time.perf_counter() - t0:.0f} s)", flush=True)
     return runs, failed, stream_out
 

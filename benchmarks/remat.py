@@ -37,14 +37,18 @@ os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo, if not installed
-from _common import write_json  # noqa: E402
+from _common import (  # noqa: E402
+    MARKER,
+    compiled_memory,
+    spawn as _spawn,  # noqa: E402
+    write_json,
+)
 
 GUIDE = {"n_layers": 12, "d_model": 512, "n_heads": 8, "d_ff": 2048, "seq": 256, "batch": 32}
 CPU_TIMING = {**GUIDE, "n_layers": 4, "batch": 2}
@@ -61,26 +65,10 @@ PRESETS = {
 SELECTIVE = ("dots", "minimal")
 # Whole-model scalars (loss, gradient norm) of differently scheduled but equal arithmetic.
 RTOL = 1e-4
-MARKER = "RESULT "
 MIB = 2**20
 
 
 # ------------------------------------------------------------------------------- workers
-
-
-def _memory(compiled) -> dict | None:
-    """Bytes from `memory_analysis()`; peak = argument + output + temp - alias."""
-    m = compiled.memory_analysis()
-    if m is None:
-        return None
-    out = {
-        "argument": m.argument_size_in_bytes,
-        "output": m.output_size_in_bytes,
-        "temp": m.temp_size_in_bytes,
-        "alias": m.alias_size_in_bytes,
-    }
-    out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
-    return out
 
 
 def _encoder(cfg: dict, remat: str, segment, scan: bool, key):
@@ -122,7 +110,7 @@ def compile_only(cfg: dict, remat: str, segment, scan: bool) -> dict:
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    return {"lower_s": t1 - t0, "compile_s": t2 - t1, "memory": _memory(compiled)}
+    return {"lower_s": t1 - t0, "compile_s": t2 - t1, "memory": compiled_memory(compiled)}
 
 
 def run_steps(
@@ -200,7 +188,7 @@ def run_steps(
     return {
         "config": cfg,
         "compile_s": compile_s,
-        "memory_analysis": _memory(compiled),
+        "memory_analysis": compiled_memory(compiled),
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
         "peak_bytes_in_use_after_compile": peak_after_compile,
         "check": check,
@@ -239,18 +227,6 @@ def worker(spec: dict) -> dict:
 
 
 # -------------------------------------------------------------------------------- parent
-
-
-def spawn(spec: dict) -> dict:
-    """Run one worker in a fresh Python process and return what it printed."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
-    if proc.returncode or not lines:
-        raise RuntimeError(
-            f"worker {spec} failed with exit code {proc.returncode}:\n{proc.stderr[-4000:]}"
-        )
-    return json.loads(lines[-1][len(MARKER) :])
 
 
 def variant_name(preset: str, scan: bool) -> str:
@@ -294,7 +270,9 @@ def main() -> None:
         order = names if r % 2 == 0 else names[::-1]
         for preset, scan in order:
             name = variant_name(preset, scan)
-            out = spawn({"kind": "variant", "preset": preset, "scan": scan, "memory": r == 0})
+            out = _spawn(
+                __file__, {"kind": "variant", "preset": preset, "scan": scan, "memory": r == 0}
+            )
             runs[name].append(out)
             s = out["steps"]
             paired = "" if s["time_vs_none_scan"] is None else f", {s['time_vs_none_scan']:.2f}x"
@@ -310,7 +288,7 @@ def main() -> None:
     for r in range(args.compile_rounds):
         order = COMPILE_LAYERS if r % 2 == 0 else COMPILE_LAYERS[::-1]
         for n in order:
-            compiles[n].append(spawn({"kind": "compile", "n_layers": n}))
+            compiles[n].append(_spawn(__file__, {"kind": "compile", "n_layers": n}))
     compile_s = {
         n: statistics.median(c["lower_s"] + c["compile_s"] for c in compiles[n])
         for n in COMPILE_LAYERS

@@ -1,7 +1,6 @@
 """Where the memory of a training step goes, from compilation alone."""
 
 import dataclasses
-import inspect
 import json
 import os
 import textwrap
@@ -18,7 +17,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import PRESETS, Policy, get_policy
-from ..train._step import Step, make_step
+from ..train._step import Step, _accepts_key, make_step
 from ._cost import Cost, jaxpr_cost
 from ._io import write_json
 from ._residuals import Residual, saved_residuals
@@ -299,14 +298,6 @@ def _check_batch(batch: Any, granularity: int) -> tuple[tuple, int]:
             f"use a divisor of {size} for accumulate (the report compiles equal micro-batches)."
         )
     return structs, size
-
-
-def _accepts_key(fn: Callable[..., Any]) -> bool:
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "key" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _precision_name(policy: Policy) -> str:
