@@ -24,16 +24,14 @@ _BITS = {"bfloat16": np.uint16}
 
 
 def _is_key(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _to_numpy(x: Any) -> tuple[np.ndarray, dict[str, Any]]:
+    record: dict[str, Any] = {"kind": "array"}
     if _is_key(x):
-        impl = str(jax.random.key_impl(x))
+        record = {"kind": "key", "impl": str(jax.random.key_impl(x))}
         x = jax.random.key_data(x)
-        record = {"kind": "key", "impl": impl}
-    else:
-        record = {"kind": "array"}
     a = np.asarray(x)
     record.update(dtype=str(a.dtype), shape=list(a.shape))
     if record["dtype"] in _BITS:

@@ -213,6 +213,7 @@ class Trainer:
                 for micro in _groups(batches, self.accumulate):
                     position = stream.state()  # after this group's batches
                     batch, weights = _pad(micro, group)
+                    assert self.state is not None
                     self.state, metrics = self.step_fn(self.state, batch, weights)
                     # Read the previous step's metrics while this one runs.
                     if pending is not None:
@@ -274,20 +275,21 @@ class Trainer:
 
     def evaluate(self, data: "tuple | DataStream", batch_size: int | None = None) -> float:
         """Mean loss over every sample of `data` (arrays or a `DataStream`), no update."""
-        if not isinstance(data, DataStream):
-            data = self._make_eval_stream(data, batch_size or 256)
-        assert data is not None
+        stream = (
+            data
+            if isinstance(data, DataStream)
+            else self._make_eval_stream(data, batch_size or 256)
+        )
+        assert stream is not None
         policy = self.step_fn.policy
         model = policy.cast_to_compute(self.model)
         total = weight = 0.0
-        for batch in data:
-            size = len(batch[0])
+        for batch in stream:
             batch = policy.cast_to_compute(tuple(jnp.asarray(x) for x in batch))
-            batch, weights = _pad([batch], data.batch_size)
+            batch, weights = _pad([batch], stream.batch_size)
             s, w = self._eval_fn(model, self.model_state, batch, weights)
             total += float(s)
             weight += float(w)
-            del size
         return total / max(weight, 1e-30)
 
     # ---------------------------------------------------------------------------- checks
@@ -390,9 +392,8 @@ def _groups(batches, k: int):
 
 def _pad(micro: list[tuple], size: int) -> tuple[tuple, jax.Array]:
     """Concatenate micro-batches and pad to `size` samples at weight 0 (one compilation)."""
-    batch = tuple(
-        jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*micro, strict=True)
-    )
+    fields = [[m[i] for m in micro] for i in range(len(micro[0]))]  # one list per array
+    batch = tuple(jnp.concatenate(f) if len(f) > 1 else f[0] for f in fields)
     n = batch[0].shape[0]
     weights = jnp.ones((size,), jnp.float32)
     if n < size:
