@@ -390,15 +390,14 @@ def plan(
     # estimate needs its float32-compute twin, which is often a candidate itself.
     reports: dict[tuple, MemoryReport] = {}
 
+    def step_of(accumulate: int, policy: Policy):
+        return make_step(
+            loss_fn, optimizer, accumulate=accumulate, precision=policy, loss_scale=loss_scale
+        )
+
     def report_of(i: int, model: Any, accumulate: int, policy: Policy) -> MemoryReport:
         if (i, accumulate, policy) not in reports:
-            step = make_step(
-                loss_fn,
-                optimizer,
-                accumulate=accumulate,
-                precision=policy,
-                loss_scale=loss_scale,
-            )
+            step = step_of(accumulate, policy)
             twin_policy = float32_twin(step.policy)
             # (The twin's loss scale may differ from the step's: a few bytes of state.)
             twin = None if twin_policy is None else report_of(i, model, accumulate, twin_policy)
@@ -418,13 +417,7 @@ def plan(
                 peak = report.peak_bytes if target == "compiled" else report.accelerator_peak_bytes
                 seconds = None
                 if measure and peak <= budget_bytes:
-                    step = make_step(
-                        loss_fn,
-                        optimizer,
-                        accumulate=accumulate,
-                        precision=policy,
-                        loss_scale=loss_scale,
-                    )
+                    step = step_of(accumulate, policy)
                     seconds = _time_step(step, make_model(remat), structs, key, steps)
                 candidates.append(
                     Candidate(
