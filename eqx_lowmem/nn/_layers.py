@@ -13,6 +13,7 @@ training step that installs a hook it is the identity. The step installs one to:
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +24,13 @@ LayerHook = Callable[[Any, PyTree], PyTree]
 _HOOK: contextvars.ContextVar[LayerHook | None] = contextvars.ContextVar(
     "eqx_lowmem_layer_hook", default=None
 )
+
+
+def is_stack(x: Any) -> bool:
+    """Whether `x` is a stack module that calls `prepare_layer` (it has a `layer_spec` field)."""
+    return dataclasses.is_dataclass(x) and any(
+        f.name == "layer_spec" for f in dataclasses.fields(x)
+    )
 
 
 def prepare_layer(stack: Any, params: PyTree) -> PyTree:
@@ -38,7 +46,18 @@ def prepare_layer(stack: Any, params: PyTree) -> PyTree:
 
 @contextlib.contextmanager
 def layer_hook(hook: LayerHook | None) -> Iterator[None]:
-    """Install `hook` for `prepare_layer` while tracing the body of the `with`."""
+    """Install `hook` for `prepare_layer` while tracing the body of the `with`.
+
+    Hooks nest: inside another hook's `with`, the outer hook runs first, then this one (the
+    step all-gathers a layer's shards, then the loss call casts them to the compute dtype).
+    """
+    outer = _HOOK.get()
+    if hook is not None and outer is not None:
+        inner = hook
+
+        def hook(stack: Any, params: PyTree) -> PyTree:
+            return inner(stack, outer(stack, params))
+
     token = _HOOK.set(hook)
     try:
         yield

@@ -1,14 +1,22 @@
 """Training: the accumulating step, the Trainer, checkpoints."""
 
+from ._accumulate import Sums as Sums, accumulate as accumulate, loss_grad as loss_grad
 from ._checkpoint import (
     load_checkpoint as load_checkpoint,
     read_meta as read_meta,
     save_checkpoint as save_checkpoint,
 )
+from ._loss import LossOutput as LossOutput, call_loss as call_loss, mean_loss as mean_loss
 from ._losses import (
     cross_entropy as cross_entropy,
     mse as mse,
     next_token_loss as next_token_loss,
 )
-from ._step import Step as Step, TrainState as TrainState, make_step as make_step
+from ._step import (
+    SHARDS as SHARDS,
+    Step as Step,
+    TrainState as TrainState,
+    make_step as make_step,
+)
 from ._trainer import Trainer as Trainer
+from ._update import MeanGradient as MeanGradient, UpdateInfo as UpdateInfo

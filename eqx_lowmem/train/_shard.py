@@ -1,0 +1,134 @@
+"""Where each array of the training state lives on a mesh: replicated, or sharded (FSDP).
+
+`shard="data"` replicates parameters and optimizer state on every device. `shard="fsdp"`
+(ZeRO-3) splits every array along one dimension that the data axis's size divides (the
+largest such; replicated when none does) so each device stores 1/n of the parameters and of
+the optimizer state. The loss sees whole weights: arrays outside scanned stacks are
+all-gathered when the loss is entered, and a scanned stack's (`eqx_lowmem.nn.Stack`) arrays
+one layer at a time inside the layer's recomputation region (`prepare_layer`), so a gathered
+weight lives for one block and is gathered again, not saved, for the backward pass. The
+transpose of an all-gather is a reduce-scatter: gradients arrive summed and sharded.
+"""
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from ..nn._layers import is_stack
+
+
+def shard_dim(shape: tuple[int, ...], n: int, first: int = 0) -> int | None:
+    """The dimension (at least `first`) to split over `n` devices: the largest that `n`
+    divides, the earliest among equals; None when none does (the array is replicated)."""
+    best = None
+    for d in range(first, len(shape)):
+        if shape[d] >= n and shape[d] % n == 0 and (best is None or shape[d] > shape[best]):
+            best = d
+    return best
+
+
+def _spec(ndim: int, dim: int | None, axis: str) -> P:
+    if dim is None:
+        return P()
+    return P(*([None] * dim), axis)
+
+
+def _with_layer_spec(stack: Any, spec: tuple) -> Any:
+    """A copy of the frozen stack module with its static `layer_spec` replaced."""
+    new = object.__new__(type(stack))
+    for f in dataclasses.fields(stack):
+        object.__setattr__(new, f.name, getattr(stack, f.name))
+    object.__setattr__(new, "layer_spec", spec)
+    return new
+
+
+class FsdpLayout(NamedTuple):
+    """The FSDP placement of a model: the model with each stack's per-layer gather dims
+    (`layer_spec`) set, a `PartitionSpec` per array leaf, and the arrays left replicated."""
+
+    model: Any
+    specs: Any
+    replicated: tuple[str, ...]
+
+
+def fsdp_layout(model: Any, n: int, axis: str) -> FsdpLayout:
+    """Choose how to split every array of `model` over `n` devices along `axis`."""
+    replicated: list[str] = []
+
+    def stack_specs(stack):
+        arrays = eqx.filter(stack, eqx.is_array)
+        dims = [shard_dim(np.shape(x), n, first=1) for x in jax.tree.leaves(arrays)]
+        spec = tuple(None if d is None else d - 1 for d in dims)
+        return _with_layer_spec(stack, spec)
+
+    model = jax.tree.map(lambda x: stack_specs(x) if is_stack(x) else x, model, is_leaf=is_stack)
+
+    def leaf_spec(path, x, first):
+        if not eqx.is_array(x):
+            return None
+        d = shard_dim(np.shape(x), n, first)
+        if d is None and np.size(x) > 1:
+            replicated.append(f"{jax.tree_util.keystr(path)} {tuple(np.shape(x))}")
+        return _spec(np.ndim(x), d, axis)
+
+    def node_specs(path, x):
+        if is_stack(x):
+            return jax.tree_util.tree_map_with_path(
+                lambda p, y: leaf_spec(path + p, y, 1), x
+            )
+        return leaf_spec(path, x, 0)
+
+    specs = jax.tree_util.tree_map_with_path(node_specs, model, is_leaf=is_stack)
+    return FsdpLayout(model, specs, tuple(replicated))
+
+
+def specs_like(tree: Any, n: int, axis: str) -> Any:
+    """A `PartitionSpec` per array leaf of any tree (optimizer state): the same rule as the
+    parameters outside stacks, so each moment of a plain leaf lands where its parameter is."""
+    return jax.tree.map(
+        lambda x: _spec(np.ndim(x), shard_dim(np.shape(x), n), axis) if eqx.is_array(x) else None,
+        tree,
+    )
+
+
+def gather_leaves(arrays: Any, specs: Any, axis: str) -> Any:
+    """Inside `shard_map`: all-gather every sharded leaf outside stacks to its whole shape."""
+
+    def gather(x, spec):
+        if x is None or spec is None:
+            return x
+        dims = [i for i, s in enumerate(spec) if s is not None]
+        return x if not dims else jax.lax.all_gather(x, axis, axis=dims[0], tiled=True)
+
+    def node(x, spec):
+        if is_stack(x):
+            return x  # gathered per layer by `gather_layer`
+        return gather(x, spec)
+
+    return jax.tree.map(node, arrays, specs, is_leaf=lambda x: x is None or is_stack(x))
+
+
+def gather_layer(axis: str):
+    """The `prepare_layer` hook of FSDP: all-gather one layer's slices along its dims."""
+
+    def hook(stack, params):
+        spec = stack.layer_spec
+        if spec is None:
+            return params
+        leaves, treedef = jax.tree.flatten(params)
+        if len(leaves) != len(spec):
+            raise ValueError(
+                f"{type(stack).__name__}.layer_spec has {len(spec)} entries for a layer of "
+                f"{len(leaves)} arrays; build the step from the model it will train."
+            )
+        gathered = [
+            x if d is None else jax.lax.all_gather(x, axis, axis=d, tiled=True)
+            for x, d in zip(leaves, spec, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, gathered)
+
+    return hook
