@@ -28,7 +28,7 @@ def test_guide_example_accumulation_equals_the_large_batch():
             model, el.train.mse, optax.sgd(0.05), accumulate=accumulate, progress=False
         )
         history = trainer.fit(
-            X, y, epochs=5, batch_size=batch_size, key=jr.PRNGKey(1), shuffle=False
+            X, y, epochs=5, micro_batch=batch_size, key=jr.PRNGKey(1), shuffle=False
         )
         runs[accumulate] = (history["train_loss"], trainer.model)
     (loss1, model1), (loss4, model4) = runs[1], runs[4]
@@ -44,7 +44,7 @@ def test_train_loss_is_the_mean_over_samples_with_a_short_last_update():
     X, y = X[:10], y[:10]
     model = el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0))
     trainer = el.train.Trainer(model, el.train.mse, optax.sgd(0.0), accumulate=2, progress=False)
-    history = trainer.fit(X, y, epochs=1, batch_size=2, key=jr.PRNGKey(1))
+    history = trainer.fit(X, y, epochs=1, micro_batch=2, key=jr.PRNGKey(1))
     expected = jnp.mean(el.train.mse(model, X, y))
     assert abs(history["train_loss"][0] - float(expected)) < 1e-6 * abs(float(expected))
 
@@ -72,12 +72,12 @@ def test_fit_from_a_stream_of_npy_files(tmp_path):
     "call, match",
     [
         (
-            lambda t, X, y: t.fit(X, y[:-1], epochs=1, batch_size=8, key=jr.PRNGKey(0)),
+            lambda t, X, y: t.fit(X, y[:-1], epochs=1, micro_batch=8, key=jr.PRNGKey(0)),
             "same number of samples",
         ),
         (
-            lambda t, X, y: t.fit(X, y, epochs=1, batch_size=0, key=jr.PRNGKey(0)),
-            "batch_size must be",
+            lambda t, X, y: t.fit(X, y, epochs=1, micro_batch=0, key=jr.PRNGKey(0)),
+            "micro_batch must be",
         ),
         (
             lambda t, X, y: t.fit(
@@ -88,17 +88,20 @@ def test_fit_from_a_stream_of_npy_files(tmp_path):
         (
             lambda t, X, y: t.fit(
                 epochs=1,
-                batch_size=4,
+                micro_batch=4,
                 key=jr.PRNGKey(0),
                 stream=el.data.DataStream((np.asarray(X),), 8),
             ),
-            "batch_size=4 but the stream",
+            "micro_batch=4 but the stream",
         ),
         (
-            lambda t, X, y: t.fit(X[:, :1], y, epochs=1, batch_size=8, key=jr.PRNGKey(0)),
+            lambda t, X, y: t.fit(X[:, :1], y, epochs=1, micro_batch=8, key=jr.PRNGKey(0)),
             "cannot be applied",
         ),
-        (lambda t, X, y: t.fit(X, y, epochs=-1, batch_size=8, key=jr.PRNGKey(0)), "epochs must be"),
+        (
+            lambda t, X, y: t.fit(X, y, epochs=-1, micro_batch=8, key=jr.PRNGKey(0)),
+            "epochs must be",
+        ),
     ],
 )
 def test_bad_input_fails_before_any_work(tmp_path, call, match):
@@ -112,7 +115,7 @@ def test_bad_input_fails_before_any_work(tmp_path, call, match):
     )
     with pytest.raises(ValueError, match=match):
         call(trainer, X, y)
-    assert not (tmp_path / "checkpoint.eqx").exists()
+    assert not (tmp_path / "checkpoint.ckpt").exists()
     assert trainer.state is None or int(trainer.state.step) == 0
 
 
@@ -138,11 +141,11 @@ def test_nonfinite_loss_stops_before_the_update_and_the_checkpoint(tmp_path):
         callback=lambda t, m: seen.append(m["update"]),
     )
     with pytest.raises(FloatingPointError, match="update 3 of epoch 1"):
-        trainer.fit(X, y, epochs=2, batch_size=16, key=jr.PRNGKey(1), shuffle=False)
-    meta = el.train.read_meta(tmp_path / "checkpoint.eqx")
+        trainer.fit(X, y, epochs=2, micro_batch=16, key=jr.PRNGKey(1), shuffle=False)
+    meta = el.train.read_meta(tmp_path / "checkpoint.ckpt")
     assert seen == [1, 2] and meta["partial"]["updates"] == 2
     # The checkpoint holds the state after update 2, and the bad update was skipped.
-    ckpt_state, _ = el.train.load_checkpoint(tmp_path / "checkpoint.eqx", trainer.state)
+    ckpt_state, _ = el.train.load_checkpoint(tmp_path / "checkpoint.ckpt", trainer.state)
     assert int(ckpt_state.step) == 2
     assert all(
         bool(jnp.all(jnp.isfinite(a)))
@@ -166,11 +169,11 @@ def test_resume_continues_exactly(tmp_path):
         )
 
     full = trainer(tmp_path / "full")
-    full_history = full.fit(X, y, epochs=4, batch_size=4, key=jr.PRNGKey(1))
+    full_history = full.fit(X, y, epochs=4, micro_batch=4, key=jr.PRNGKey(1))
     first = trainer(tmp_path / "split")
-    first.fit(X, y, epochs=2, batch_size=4, key=jr.PRNGKey(1))
+    first.fit(X, y, epochs=2, micro_batch=4, key=jr.PRNGKey(1))
     resumed = trainer(tmp_path / "split")
-    history = resumed.fit(X, y, epochs=4, batch_size=4, key=jr.PRNGKey(1))
+    history = resumed.fit(X, y, epochs=4, micro_batch=4, key=jr.PRNGKey(1))
     assert history == full_history
     assert tree_allclose(resumed.model, full.model, rtol=0, atol=0)
     assert int(resumed.state.step) == int(full.state.step)
