@@ -10,7 +10,25 @@ Subpackages, one concern each:
 """
 
 import importlib.metadata
+import pathlib
+import re
 
 from . import data as data, memory as memory, nn as nn, precision as precision, train as train
 
-__version__ = importlib.metadata.version("eqx-lowmem")
+
+def _version() -> str:
+    """The installed version; from an uninstalled checkout, the one its pyproject.toml
+    states; otherwise "0+unknown". A bare checkout (`PYTHONPATH=.`) must import."""
+    try:
+        return importlib.metadata.version("eqx-lowmem")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        text = (pathlib.Path(__file__).parent.parent / "pyproject.toml").read_text("utf-8")
+    except OSError:
+        return "0+unknown"
+    match = re.search(r'^version\s*=\s*"([^"]+)"', text, re.MULTILINE)
+    return match.group(1) if match else "0+unknown"
+
+
+__version__ = _version()

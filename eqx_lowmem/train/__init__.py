@@ -2,7 +2,13 @@
 
 from ._accumulate import Sums as Sums, accumulate as accumulate, loss_grad as loss_grad
 from ._checkpoint import (
+    CHECKPOINT_NAME as CHECKPOINT_NAME,
+    CheckpointError as CheckpointError,
+    DirectoryLockedError as DirectoryLockedError,
+    clean_stale_temporaries as clean_stale_temporaries,
     load_checkpoint as load_checkpoint,
+    load_model as load_model,
+    lock_directory as lock_directory,
     read_meta as read_meta,
     save_checkpoint as save_checkpoint,
 )

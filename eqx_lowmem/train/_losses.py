@@ -6,10 +6,16 @@ total weight. It may return `(values, weights)` to weight or mask them (for exam
 padding tokens). Every loss here computes in float32.
 """
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+import numpy as np
+from jaxtyping import Array, Float, PRNGKeyArray
 
 
 def _apply(model, x: Array, key: PRNGKeyArray | None) -> Array:
@@ -27,23 +33,52 @@ def mse(
     model, x: Float[Array, "batch ..."], y: Float[Array, "batch ..."], *, key=None
 ) -> Float[Array, " batch"]:
     """Squared error of `jax.vmap(model)(x)` against `y`, averaged over each sample's
-    features (the guide's MSE when reduced over the batch)."""
+    features (the guide's MSE when reduced over the batch).
+
+    Raises:
+        ValueError: if the outputs and `y` differ in shape (`y` of shape `(16,)` against
+            outputs `(16, 1)` would broadcast to `(16, 16)`).
+    """
     pred = _apply(model, x, key).astype(jnp.float32)
+    if pred.shape != y.shape:
+        raise ValueError(
+            f"mse: the model's outputs have shape {pred.shape} but y has shape {y.shape}; "
+            f"they must be equal (no broadcasting). E.g. y.reshape{pred.shape} if y holds "
+            "one target per sample."
+        )
     return _mean_trailing(jnp.square(pred - y.astype(jnp.float32)))
 
 
 def cross_entropy(
-    model, x: Array, labels: Int[Array, " batch"], *, key=None
+    model, x: Array, labels: Array, *, key=None
 ) -> Float[Array, " batch"]:
-    """Softmax cross-entropy of the logits `jax.vmap(model)(x)` against integer labels."""
+    """Softmax cross-entropy of the logits `jax.vmap(model)(x)` against integer labels
+    of shape `(batch,)` (checked here, with a message that says what to fix).
+
+    Labels outside `[0, classes)` cannot be seen inside the step (JAX clamps the index);
+    the Trainer checks them on the host first (`check_batch`).
+
+    Raises:
+        ValueError: if the logits are not `(batch, classes)`, or the labels not `(batch,)`
+            integers.
+    """
     logits = _apply(model, x, key).astype(jnp.float32)
+    if logits.ndim != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(
+            f"cross_entropy: expected logits of shape (batch, classes) and labels of shape "
+            f"(batch,); got logits {logits.shape} and labels {labels.shape}."
+        )
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(
+            f"cross_entropy: labels must be integer class ids, got dtype {labels.dtype}."
+        )
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
 
 
 def next_token_loss(
     model,
-    tokens: Int[Array, "batch seq"],
+    tokens: Array,
     mask: Array | None = None,
     *,
     key=None,
@@ -58,9 +93,131 @@ def next_token_loss(
     Returns:
         `(losses, weights)` per predicted token, so the step averages over real tokens.
     """
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"next_token_loss: tokens must be (batch, seq) integer ids, got shape "
+            f"{tokens.shape} and dtype {tokens.dtype}."
+        )
+    if mask is not None and mask.shape != tokens.shape:
+        raise ValueError(
+            f"next_token_loss: mask has shape {mask.shape}, expected the tokens' {tokens.shape}."
+        )
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     logits = _apply(model, inputs, key).astype(jnp.float32)  # (batch, seq - 1, vocab)
+    if logits.shape[:2] != targets.shape:
+        raise ValueError(
+            f"next_token_loss: the model maps {inputs.shape[1]} tokens to logits of shape "
+            f"{logits.shape[1:]}; expected (seq, vocab) = ({inputs.shape[1]}, vocab)."
+        )
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     weights = jnp.ones_like(nll) if mask is None else mask[:, 1:].astype(jnp.float32)
     return nll, weights
+
+
+# ----------------------------------------------------------------------------- host checks
+
+_BAD_DATA = (
+    "this is bad data, not a training problem (no learning rate fixes it): clean or filter "
+    "the data before training."
+)
+
+
+def _builtin(loss_fn: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The built-in loss `loss_fn` is (also through `functools.partial`), else None."""
+    fn = loss_fn
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn if fn in (mse, cross_entropy, next_token_loss) else None
+
+
+def _classes(model: Any, sample: np.ndarray) -> int | None:
+    """The size of the last output axis of `model` on one sample, from shapes alone (no
+    compute); None when the model cannot be traced this way (the step reports that)."""
+    spec = jax.ShapeDtypeStruct(sample.shape, sample.dtype)
+    for kwargs in ({}, {"key": jr.PRNGKey(0)}):
+        try:
+            out = eqx.filter_eval_shape(lambda m, x, kw=kwargs: m(x, **kw), model, spec)
+        except Exception:
+            continue
+        leaves = jax.tree.leaves(out)
+        if len(leaves) == 1 and leaves[0].ndim >= 1:
+            return int(leaves[0].shape[-1])
+        return None
+    return None
+
+
+def _check_ids(name: str, ids: np.ndarray, classes: int | None, what: str) -> None:
+    if not np.issubdtype(ids.dtype, np.integer) or ids.size == 0:
+        return  # the loss itself refuses non-integer ids with a clear error
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo >= 0 and (classes is None or hi < classes):
+        return
+    outside = (ids < 0) if classes is None else (ids < 0) | (ids >= classes)
+    bad = np.flatnonzero(outside)
+    first = np.unravel_index(bad[0], ids.shape)
+    expected = (
+        "they must be >= 0"
+        if classes is None
+        else f"the model has {classes} outputs, so they must lie in [0, {classes})"
+    )
+    raise ValueError(
+        f"{name} holds {what} from {lo} to {hi}, but {expected}; {bad.size} are outside "
+        f"(first at index {tuple(int(i) for i in first)}: {int(ids[first])}). JAX would clamp "
+        f"or wrap them silently inside the step. {_BAD_DATA}"
+    )
+
+
+def check_batch(loss_fn: Callable[..., Any], model: Any, batch: tuple[Any, ...]) -> None:
+    """Check a batch on the host for data a loss would silently accept (or turn into NaN).
+
+    - Every floating-point array is finite: a NaN or inf in the data (a flipped exponent
+      bit) would give a non-finite loss that looks like divergence.
+    - For the built-in losses: `cross_entropy`'s labels (`batch[1]`) and
+      `next_token_loss`'s token ids (`batch[0]`) lie in `[0, classes)`, with `classes` the
+      size of the model's last output axis (from `eqx.filter_eval_shape`, no compute).
+      Inside the step JAX clamps an index that is too large and wraps -1, so such labels
+      train on the wrong class, and targets >= vocab give NaN.
+
+    A user's own loss gets the finiteness check only. Time: one pass over the batch on the
+    host (the Trainer checks its first batch before any work).
+
+    Args:
+        loss_fn: the loss the step is built with.
+        model: the model (its output size is read from shapes only).
+        batch: the tuple of arrays one step receives (host or device arrays).
+
+    Raises:
+        ValueError: naming the batch field, what was expected and what arrived, and saying
+            it is bad data.
+
+    Example:
+        >>> import numpy as np, equinox as eqx, jax.random as jr
+        >>> model = eqx.nn.Linear(2, 3, key=jr.key(0))
+        >>> x = np.zeros((4, 2), np.float32)
+        >>> check_batch(cross_entropy, model, (x, np.array([0, 1, 2, 1])))
+        >>> check_batch(cross_entropy, model, (x, np.array([0, 1, 3, 1])))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: batch[1] holds labels from 0 to 3, but the model has 3 outputs, so ...
+    """
+    if not isinstance(batch, (tuple, list)):
+        raise TypeError(f"batch must be a tuple of arrays, got a {type(batch).__name__}.")
+    arrays = [np.asarray(x) for x in batch]
+    for i, a in enumerate(arrays):
+        if np.issubdtype(a.dtype, np.floating) or a.dtype == jnp.bfloat16:
+            finite = np.isfinite(a.astype(np.float32) if a.dtype == jnp.bfloat16 else a)
+            if not finite.all():
+                bad = np.flatnonzero(~finite)
+                first = np.unravel_index(bad[0], a.shape)
+                raise ValueError(
+                    f"batch[{i}] holds {bad.size} non-finite values (NaN or inf; first at "
+                    f"index {tuple(int(j) for j in first)}: {a[first]}). {_BAD_DATA}"
+                )
+    builtin = _builtin(loss_fn)
+    if builtin is cross_entropy and len(arrays) >= 2 and arrays[0].ndim >= 1:
+        _check_ids("batch[1]", arrays[1], _classes(model, arrays[0][0]), "labels")
+    elif builtin is next_token_loss and arrays and arrays[0].ndim == 2:
+        tokens = arrays[0]
+        classes = _classes(model, tokens[0, :-1]) if tokens.shape[1] > 1 else None
+        _check_ids("batch[0]", tokens, classes, "token ids")

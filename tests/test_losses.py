@@ -1,0 +1,85 @@
+"""Built-in losses check shapes; `check_batch` reports bad data as bad data."""
+
+import functools
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import eqx_lowmem as el
+from eqx_lowmem.train import cross_entropy, mse, next_token_loss
+from eqx_lowmem.train._losses import check_batch
+
+
+def test_mse_refuses_targets_that_would_broadcast():
+    model = eqx.nn.Linear(3, 1, key=jr.PRNGKey(0))
+    x = jnp.ones((16, 3))
+    with pytest.raises(ValueError, match=r"outputs have shape \(16, 1\) but y has shape \(16,\)"):
+        mse(model, x, jnp.ones(16))
+    assert mse(model, x, jnp.ones((16, 1))).shape == (16,)
+    scalar = eqx.nn.Linear(3, "scalar", key=jr.PRNGKey(0))
+    assert mse(scalar, x, jnp.ones(16)).shape == (16,)
+
+
+def test_cross_entropy_and_next_token_shapes():
+    model = eqx.nn.Linear(3, 5, key=jr.PRNGKey(0))
+    x = jnp.ones((4, 3))
+    assert cross_entropy(model, x, jnp.arange(4)).shape == (4,)
+    with pytest.raises(ValueError, match=r"labels of shape \(batch,\)"):
+        cross_entropy(model, x, jnp.zeros((4, 1), jnp.int32))
+    with pytest.raises(ValueError, match="integer class ids"):
+        cross_entropy(model, x, jnp.zeros(4))
+    lm = el.nn.CausalLM(11, 8, 1, 8, 2, 16, key=jr.PRNGKey(0))
+    tokens = jnp.zeros((2, 6), jnp.int32)
+    values, weights = next_token_loss(lm, tokens)
+    assert values.shape == weights.shape == (2, 5)
+    with pytest.raises(ValueError, match=r"\(batch, seq\) integer ids"):
+        next_token_loss(lm, jnp.zeros((2, 6)))
+    with pytest.raises(ValueError, match="mask has shape"):
+        next_token_loss(lm, tokens, jnp.ones((2, 5)))
+
+
+def test_check_batch_reports_labels_outside_the_classes_as_bad_data():
+    model = eqx.nn.MLP(3, 4, 8, 1, key=jr.PRNGKey(0))
+    x = np.zeros((6, 3), np.float32)
+    check_batch(cross_entropy, model, (x, np.array([0, 1, 2, 3, 0, 1])))
+    for labels, shown in ((np.array([0, 1, 4, 3, 0, 1]), "0 to 4"), (np.array([0, -1]), "-1 to 0")):
+        with pytest.raises(ValueError, match="bad data") as info:
+            check_batch(cross_entropy, model, (x[: labels.size], labels))
+        message = str(info.value)
+        assert "batch[1]" in message and shown in message and "[0, 4)" in message
+        assert "learning rate fixes" in message  # it says that lowering it does not help
+    # Through functools.partial too.
+    with pytest.raises(ValueError, match="bad data"):
+        check_batch(functools.partial(cross_entropy), model, (x[:1], np.array([7])))
+
+
+def test_check_batch_token_ids_of_a_language_model():
+    lm = el.nn.CausalLM(11, 8, 1, 8, 2, 16, key=jr.PRNGKey(0))
+    tokens = np.zeros((2, 6), np.int32)
+    check_batch(next_token_loss, lm, (tokens,))
+    tokens[1, 5] = 11  # a target >= vocab: NaN in the step
+    with pytest.raises(ValueError, match=r"token ids from 0 to 11.*\[0, 11\).*index \(1, 5\)"):
+        check_batch(next_token_loss, lm, (tokens,))
+    tokens[1, 5] = -1  # wrapped silently
+    with pytest.raises(ValueError, match="bad data"):
+        check_batch(next_token_loss, lm, (tokens,))
+
+
+def test_check_batch_finds_non_finite_data_for_any_loss():
+    def own_loss(model, x, y):
+        return jnp.sum(x, axis=1)
+
+    x = np.ones((4, 3), np.float32)
+    check_batch(own_loss, None, (x, np.arange(4)))
+    bits = x.view(np.uint32)
+    bits[2, 1] |= 0x7F800000  # every exponent bit set: inf
+    with pytest.raises(ValueError, match=r"batch\[0\] holds 1 non-finite .*index \(2, 1\).*bad"):
+        check_batch(own_loss, None, (x, np.arange(4)))
+    half = jnp.asarray([1.0, jnp.nan], jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"batch\[1\] holds 1 non-finite"):
+        check_batch(own_loss, None, (np.ones((2, 1)), half))
+    # A user's loss gets no label check: integers are its business.
+    check_batch(own_loss, None, (np.ones((2, 1), np.float32), np.array([-5, 100])))

@@ -1,0 +1,61 @@
+"""The package imports from a checkout that is not installed (the GPU benchmark runs so)."""
+
+import shutil
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import eqx_lowmem as el
+
+ROOT = Path(el.__file__).parent.parent
+
+# Run with -I -S (no site-packages, no PYTHONPATH, no cwd): the dependencies come from a
+# directory of links to the venv's site-packages minus eqx_lowmem's dist-info and editable
+# hook, so nothing on the path says eqx-lowmem is installed.
+_SCRIPT = """
+import importlib.metadata, sys
+sys.path[:0] = [{checkout!r}, {deps!r}]
+try:
+    importlib.metadata.version("eqx-lowmem")
+    raise SystemExit("eqx-lowmem is installed on this path; the test proves nothing")
+except importlib.metadata.PackageNotFoundError:
+    pass
+import eqx_lowmem
+assert eqx_lowmem.__file__.startswith({checkout!r}), eqx_lowmem.__file__
+print(eqx_lowmem.__version__)
+"""
+
+
+def _run(checkout: Path, deps: Path) -> subprocess.CompletedProcess:
+    script = _SCRIPT.format(checkout=str(checkout), deps=str(deps))
+    return subprocess.run(
+        [sys.executable, "-I", "-S", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=checkout.parent,
+    )
+
+
+def test_import_from_an_uninstalled_checkout(tmp_path):
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    site_dirs = [Path(p) for p in site.getsitepackages()]
+    for directory in site_dirs:
+        for entry in directory.iterdir():
+            name = entry.name.lower()
+            if "eqx_lowmem" in name or "eqx-lowmem" in name or name.endswith(".pth"):
+                continue
+            if not (deps / entry.name).exists():
+                (deps / entry.name).symlink_to(entry)
+    checkout = tmp_path / "checkout"
+    shutil.copytree(ROOT / "eqx_lowmem", checkout / "eqx_lowmem")
+    shutil.copy(ROOT / "pyproject.toml", checkout / "pyproject.toml")
+    out = _run(checkout, deps)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == el.__version__  # read from the checkout's pyproject.toml
+    (checkout / "pyproject.toml").unlink()  # a copy of the package alone
+    out = _run(checkout, deps)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "0+unknown"
