@@ -18,3 +18,4 @@ from ._remat import (
     PRESETS as PRESETS,
     Save as Save,
 )
+from ._stack import Stack as Stack, stack as stack

@@ -1,0 +1,274 @@
+"""A stack of identical blocks: parameters stacked on a leading axis, run by `lax.scan`,
+each block (or each segment of blocks) recomputed in the backward pass."""
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+from jaxtyping import PRNGKeyArray, PyTree
+
+from ._layers import prepare_layer
+from ._remat import Remat, RematArg, module_remat_names, remat_policy, resolve_remat
+
+
+class Stack(eqx.Module):
+    """`n_layers` identical blocks whose arrays are stacked on a leading axis.
+
+    Build one with `eqx_lowmem.nn.stack`. The blocks run one after another, each taking the
+    previous block's output, by `jax.lax.scan` (or an equivalent Python loop with
+    `scan=False`). Layer `i` of the stack receives the PRNG key `jr.fold_in(key, i)`,
+    derived inside the loop, so recomputation regenerates the same dropout masks.
+
+    Block convention (what a block's `__call__` must accept):
+
+    - stateless: `block(x, *, key=None) -> y`, with `y` of the same shape and dtype as `x`
+      (`x` may be any pytree of arrays);
+    - stateful (`stack(..., stateful=True)`): `block(x, state, *, key=None) -> (y, state)`
+      where `state` is that block's own pytree of arrays (for example BatchNorm running
+      statistics), returned with the same structure, shapes and dtypes. The stack takes and
+      returns the states of all its layers stacked on a leading axis.
+
+    `key=None` means no randomness (evaluation); the stack then passes `key=None` to every
+    block. Like every module here, a stack maps one example: `jax.vmap` over the batch.
+
+    `layer_spec` is not read by the stack: a training step's per-layer hook
+    (`eqx_lowmem.nn._layers.prepare_layer`, which the stack calls on each layer's arrays
+    inside the recomputed region) may read it.
+    """
+
+    _scope: ClassVar[str] = "eqx_lowmem.nn.Stack"
+
+    blocks: Any  # the block module; every array has a leading axis of size n_layers
+    n_layers: int = eqx.field(static=True)
+    remat: Remat = eqx.field(static=True)
+    segment: int | None = eqx.field(static=True)
+    scan: bool = eqx.field(static=True)
+    stateful: bool = eqx.field(static=True)
+    layer_spec: Any = eqx.field(static=True, default=None)
+
+    def __call__(self, x: PyTree, state: PyTree = None, *, key: PRNGKeyArray | None = None):
+        """Apply the blocks in order to one example.
+
+        Args:
+            x: the first block's input.
+            state: stateful stacks only: every layer's state, stacked on a leading axis.
+            key: PRNG key; layer `i` gets `jr.fold_in(key, i)`. `None`: no randomness.
+
+        Returns:
+            The last block's output; for a stateful stack `(output, new_states)`.
+        """
+        if self.stateful and state is None:
+            raise ValueError(
+                "this Stack is stateful (stack(..., stateful=True)): call it as "
+                "stack(x, states, key=key), with the stacked states stack() returned."
+            )
+        if not self.stateful and state is not None:
+            raise ValueError(
+                "this Stack is stateless: call it as stack(x, key=key); build it with "
+                "stack(..., stateful=True) for blocks that take and return a state."
+            )
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+        with jax.named_scope(self._scope):
+            if self.segment is None:
+                x, state = self._run_blocks(params, static, x, state, key, 0)
+            else:
+                x, state = self._run_segments(params, static, x, state, key)
+        return (x, state) if self.stateful else x
+
+    def _layer(self, p, static, h, s, key, i):
+        """One block on its slice of the stacked arrays; `prepare_layer` is the step's seam."""
+        p = prepare_layer(self, p)
+        block = eqx.combine(p, static)
+        layer_key = None if key is None else jr.fold_in(key, i)
+        if self.stateful:
+            return block(h, s, key=layer_key)
+        return block(h, key=layer_key), None
+
+    def _run_blocks(self, params, static, x, state, key, first):
+        """The blocks whose stacked arrays are `params`; layer indices start at `first`."""
+        count = jax.tree.leaves(params)[0].shape[0]
+        policy = remat_policy(self.remat, module_remat_names(static)[1])
+
+        def layer(p, h, s, key, i):
+            return self._layer(p, static, h, s, key, i)
+
+        if policy is not None:
+            # Inside a scan, prevent_cse=False is safe and lets XLA optimise the body.
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=not self.scan)
+
+        def body(h, xs):
+            p, s, i = xs
+            h, s = layer(p, h, s, key, i)
+            return h, s
+
+        indices = first + jnp.arange(count)
+        if self.scan:
+            x, state = jax.lax.scan(body, x, (params, state, indices))
+        else:
+            states = []
+            for j in range(count):
+                x, s = body(x, jax.tree.map(lambda a, j=j: a[j], (params, state, indices)))
+                states.append(s)
+            if self.stateful:
+                state = jax.tree.map(lambda *a: jnp.stack(a), *states)
+        return x, state
+
+    def _run_segments(self, params, static, x, state, key):
+        """Chen et al. (2016): keep each segment's input only; recompute a segment at a time."""
+        seg = self.segment
+        assert seg is not None
+        n_full, rest = divmod(self.n_layers, seg)
+
+        @functools.partial(
+            jax.checkpoint,
+            policy=jax.checkpoint_policies.nothing_saveable,
+            prevent_cse=not self.scan,
+        )
+        def run_segment(p, h, s, first):
+            return self._run_blocks(p, static, h, s, key, first)
+
+        def take(tree, start, stop):
+            return jax.tree.map(lambda a: a[start:stop], tree)
+
+        outs = []
+        if self.scan and n_full:
+            # One scan over the equal segments: compile time does not grow with depth.
+            def split(tree):
+                return jax.tree.map(
+                    lambda a: a[: n_full * seg].reshape(n_full, seg, *a.shape[1:]), tree
+                )
+
+            def seg_body(h, xs):
+                p, s, first = xs
+                return run_segment(p, h, s, first)
+
+            x, s = jax.lax.scan(
+                seg_body, x, (split(params), split(state), jnp.arange(n_full) * seg)
+            )
+            outs.append(jax.tree.map(lambda a: a.reshape(n_full * seg, *a.shape[2:]), s))
+        else:
+            for i in range(n_full):
+                x, s = run_segment(
+                    take(params, i * seg, (i + 1) * seg),
+                    x,
+                    take(state, i * seg, (i + 1) * seg),
+                    i * seg,
+                )
+                outs.append(s)
+        if rest:
+            start = n_full * seg
+            x, s = run_segment(
+                take(params, start, self.n_layers), x, take(state, start, self.n_layers), start
+            )
+            outs.append(s)
+        if self.stateful:
+            state = jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
+        return x, state
+
+
+def _check_segment(segment: object, n_layers: int) -> int | None:
+    if segment == "sqrt":
+        return max(1, round(math.sqrt(n_layers)))
+    if segment is not None and (
+        isinstance(segment, bool) or not isinstance(segment, int) or segment < 1
+    ):
+        raise ValueError(f"segment must be None, 'sqrt' or an int >= 1, got {segment!r}.")
+    return segment  # type: ignore[return-value]
+
+
+def stack(
+    make_block: Callable[[PRNGKeyArray], Any],
+    n_layers: int,
+    *,
+    key: PRNGKeyArray,
+    remat: RematArg = False,
+    segment: int | Literal["sqrt"] | None = None,
+    scan: bool = True,
+    stateful: bool = False,
+    layer_spec: Any = None,
+):
+    """Build `n_layers` identical blocks with `make_block(key)`, stacked with `eqx.filter_vmap`.
+
+    Args:
+        make_block: `make_block(key) -> block`, an Equinox module following the block
+            convention of `Stack` (for `stateful=True`: `make_block(key) -> (block, state)`).
+            Every call must give the same structure and shapes; only the arrays may differ.
+        n_layers: number of blocks.
+        key: PRNG key for the initial weights; block `i` is built with `jr.split(key,
+            n_layers)[i]`.
+        remat: recomputation of each block in the backward pass.
+            `False`/`"none"`: keeps every intermediate (fastest, the most memory).
+            `True`/`"full"`: keeps each block's input only; one more forward pass per step.
+            `"dots"`, `"minimal"`, `"minimal_offloaded"`, `Save(*names, offload=...)`: keep
+            the named intermediates the block declares (`checkpoint_names`,
+            `remat_presets` class attributes, see `eqx_lowmem.nn.Save`); an error for a
+            block that does not declare them.
+        segment: checkpoint groups of this many consecutive blocks as a unit (Chen et al.,
+            2016, "Training deep nets with sublinear memory cost", Section 4.3): only each
+            segment's input is kept, and the backward pass recomputes one segment at a time,
+            its blocks with their own `remat`. `"sqrt"` uses `round(sqrt(n_layers))`:
+            O(sqrt(n_layers)) memory for one more forward pass. The last segment may be
+            shorter.
+        scan: `True` runs the blocks with `jax.lax.scan`: compile time does not grow with
+            depth, and recomputation really frees memory (XLA sees one block body). `False`
+            runs a Python loop with the same numbers; XLA then schedules the unrolled
+            program freely and may run a block's recomputation early, keeping its
+            activations alive (on XLA:CPU: no memory saved at all).
+        stateful: the blocks take and return a state (see `Stack`).
+        layer_spec: stored on the stack for a training step's per-layer hook; not read here.
+
+    Returns:
+        The `Stack`, or `(Stack, stacked_states)` when `stateful`.
+
+    Raises:
+        ValueError: on a non-positive `n_layers`, a bad `segment`, or a `remat` the block
+            does not define.
+
+    Example:
+        >>> import equinox as eqx, jax, jax.numpy as jnp, jax.random as jr
+        >>> import eqx_lowmem as el
+        >>> class Residual(eqx.Module):
+        ...     linear: eqx.nn.Linear
+        ...     def __init__(self, *, key):
+        ...         self.linear = eqx.nn.Linear(8, 8, key=key)
+        ...     def __call__(self, x, *, key=None):
+        ...         return x + jnp.tanh(self.linear(x))
+        >>> net = el.nn.stack(lambda k: Residual(key=k), 4, key=jr.PRNGKey(0), remat=True)
+        >>> jax.vmap(net)(jnp.ones((2, 8))).shape
+        (2, 8)
+    """
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+        raise ValueError(f"n_layers must be a positive int, got {n_layers!r}.")
+    segment = _check_segment(segment, n_layers)
+    keys = jr.split(key, n_layers)
+    built = eqx.filter_vmap(make_block)(keys)
+    if stateful:
+        if not (isinstance(built, tuple) and len(built) == 2):
+            raise TypeError(
+                "stack(..., stateful=True): make_block(key) must return (block, state), got "
+                f"{type(built).__name__}."
+            )
+        blocks, states = built
+    else:
+        blocks, states = built, None
+    if not isinstance(blocks, eqx.Module):
+        raise TypeError(
+            f"make_block(key) must return an equinox.Module, got {type(blocks).__name__}."
+        )
+    names, presets = module_remat_names(blocks)
+    remat = resolve_remat(remat, names, presets, module=type(blocks).__name__)
+    out = Stack(
+        blocks=blocks,
+        n_layers=n_layers,
+        remat=remat,
+        segment=segment,
+        scan=scan,
+        stateful=stateful,
+        layer_spec=layer_spec,
+    )
+    return (out, states) if stateful else out
