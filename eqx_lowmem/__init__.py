@@ -14,6 +14,7 @@ import pathlib
 import re
 
 from . import data as data, memory as memory, nn as nn, precision as precision, train as train
+from . import sparse as sparse
 
 
 def _version() -> str:
