@@ -93,21 +93,22 @@ def _check_key(key: Any) -> None:
         raise TypeError(f"key must be a PRNG key such as jr.PRNGKey(0) or jr.key(0), got {got}.")
 
 
-def _fingerprint(obj: Any, depth: int = 0, seen: set[int] | None = None) -> list[str]:
+def _fingerprint(obj: Any, depth: int = 0, seen: dict[int, Any] | None = None) -> list[str]:
     """The numbers, flags and function names an optax optimizer closes over, in order.
 
     Optax keeps hyperparameters (the learning rate, betas, a schedule's numbers) in the
     closures of its `init`/`update` functions, so two optimizers built with different
     numbers give different lists. It cannot see values read from globals at call time.
     """
-    seen = set() if seen is None else seen
+    # Objects seen are kept alive in `seen`, so that their ids are not reused.
+    seen = {} if seen is None else seen
     if depth > 16 or id(obj) in seen:
         return []
     if obj is None or isinstance(obj, (bool, str)):
         return [repr(obj)]
     if isinstance(obj, numbers.Number) and not isinstance(obj, np.ndarray):
         return [repr(obj)]
-    seen.add(id(obj))
+    seen[id(obj)] = obj
     if isinstance(obj, functools.partial):
         return [obj.func.__qualname__] + _fingerprint((obj.args, obj.keywords), depth + 1, seen)
     if isinstance(obj, types.FunctionType):
@@ -122,7 +123,11 @@ def _fingerprint(obj: Any, depth: int = 0, seen: set[int] | None = None) -> list
     if isinstance(obj, (tuple, list)):
         return [item for value in obj for item in _fingerprint(value, depth + 1, seen)]
     if isinstance(obj, dict):
-        return [i for k in sorted(obj, key=repr) for i in [repr(k), *_fingerprint(obj[k])]]
+        return [
+            item
+            for k in sorted(obj, key=repr)
+            for item in [repr(k), *_fingerprint(obj[k], depth + 1, seen)]
+        ]
     if isinstance(obj, (np.ndarray, jax.Array)):
         return [f"array{tuple(obj.shape)}:{np.asarray(obj).tobytes().hex()[:64]}"]
     return [type(obj).__qualname__]
@@ -906,7 +911,7 @@ def _duration(seconds: float) -> str:
 
 def _changed(path: Path, name: str, before: Any, now: Any) -> str:
     what = {
-        "optimizer": "the optimizer (a learning rate, schedule or other hyperparameter)",
+        "optimizer": "optimizer (a learning rate, schedule or other hyperparameter)",
         "micro_batch": "the micro-batch (stream batch size)",
         "config": "config",
     }.get(name, name)
@@ -955,6 +960,8 @@ class _handling:
 def _keep(path: Path, older: Path) -> None:
     """`older` becomes a second name of the file at `path` (a copy where the filesystem
     has no hard links), replacing any file of that name atomically."""
+    if older.exists() and os.path.samefile(path, older):
+        return  # kept already (a run killed after keeping it, before replacing `path`)
     # Named as atomic_write names its temporaries, so clean_stale_temporaries finds it.
     tmp = older.with_name(f".{older.name}.{os.urandom(8).hex()}.tmp")
     try:
