@@ -123,7 +123,7 @@ def test_an_impossible_budget_names_the_smallest_peak_and_its_largest_part():
     assert "budget=64.0 KiB" in message
     assert el.memory.format_bytes(only.peak_bytes) in message
     assert "remat=full, accumulate=2, precision=float32" in message
-    assert el.memory._report.PART_LABELS[part] in message
+    assert el.memory.PART_LABELS[part] in message
 
 
 def test_errors_name_the_argument(planned):

@@ -1,101 +1,97 @@
 """The `eqx-lowmem` command: a memory report or a plan, before any training step runs.
 
-    eqx-lowmem report --layers 12 --d-model 512 --heads 8 --d-ff 2048 --seq 256 --batch 32 \\
-        --optimizer adam --remat full --accumulate 4 --precision mixed_bf16 \\
-        --json report.json --plot report.png
-    eqx-lowmem plan --budget 2GiB --optimizer adam --plot plan.png
-    eqx-lowmem report --model mypackage.models:make --remat dots
+`--model` chooses the model:
 
-`--model module:function` names a function of one argument, `remat` (one of "none",
-"full", "dots", "minimal"), that returns `(model, loss_fn, batch)` or
-`(model, loss_fn, batch, optimizer)`: the model built with that recomputation setting, a
-loss for `eqx_lowmem.train.make_step` (`loss_fn(model, *batch)` returning per-sample
-values), and one batch as a tuple of arrays or `jax.ShapeDtypeStruct`s. It is called inside
-`eqx.filter_eval_shape`, so building the model allocates nothing. Without `--model`, the
-model is `eqx_lowmem.nn.transformer_encoder` with the shape options, trained with
-`eqx_lowmem.train.mse` on float32 inputs and targets of shape (batch, seq, d_model): the
-guide's configuration by default.
+- `encoder` (the default): `eqx_lowmem.nn.transformer_encoder` with the shape options,
+  trained with `eqx_lowmem.train.mse` on float32 inputs and targets of shape
+  (batch, seq, d_model): the guide's configuration by default.
+- `lm`: the README's language model, `eqx_lowmem.nn.CausalLM(vocab, seq, layers, d_model,
+  heads, d_ff)`, trained with `eqx_lowmem.train.next_token_loss` on int32 token ids of
+  shape (batch, seq + 1).
+- `module:function`: your own. `function(remat)` (remat is one of `eqx_lowmem.nn.PRESETS`)
+  returns `(model, loss_fn, batch)` or `(model, loss_fn, batch, optimizer)`: the model
+  built with that recomputation setting, a loss for `eqx_lowmem.train.make_step`
+  (`loss_fn(model, *batch)` returning per-sample values), and one whole batch as a tuple of
+  arrays or `jax.ShapeDtypeStruct`s. It is called inside `eqx.filter_eval_shape`, so
+  building the model allocates nothing.
+
+`--batch` is the whole batch of one update, split into `--accumulate` micro-batches (and
+over `--devices`).
 """
 
 import argparse
 import importlib
+import importlib.util
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import optax
 
-from ..nn._encoder import transformer_encoder
-from ..precision._policy import PRESETS
-from ..train._losses import mse
-from ._plan import BudgetError, plan
-from ._report import memory_report
+from ..nn import PRESETS as REMAT_PRESETS
+from ..precision._policy import PRESETS as PRECISION_PRESETS
+from ._plan import ACCUMULATES, PRECISIONS, TARGETS, BudgetError, plan
+from ._report import SHARDS, memory_report
 from ._units import parse_size
 
-REMAT_CHOICES = ("none", "full", "dots", "minimal")
+BUILTIN_MODELS = ("encoder", "lm")
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sgd": lambda: optax.sgd(1e-2),
     "momentum": lambda: optax.sgd(1e-2, momentum=0.9),
     "adam": lambda: optax.adam(1e-3),
     "adamw": lambda: optax.adamw(1e-3),
 }
+_PRECISION_HELP = (
+    "float32: everything in float32; mixed_bf16 / mixed_fp16: float32 parameters, 16-bit "
+    "compute (fp16 with loss scaling); half_bf16: 16-bit parameters and optimizer state too"
+)
+_EPILOG = """\
+examples:
+  eqx-lowmem report --layers 12 --d-model 512 --seq 256 --batch 32 --remat full \\
+      --accumulate 4 --precision mixed_bf16 --plot memory.png
+  eqx-lowmem report --model lm --vocab 128 --batch 64 --accumulate 4 --remat full
+  eqx-lowmem report --model mypackage.models:make --remat dots --json report.json
+  eqx-lowmem report --devices 4 --shard fsdp --batch 64
+  eqx-lowmem plan --budget 2GiB --optimizer adam --plot plan.png
+  eqx-lowmem plan --budget 1GiB --target accelerator --precisions float32,mixed_bf16
+
+--batch is the whole batch of one update (split into --accumulate micro-batches).
+Nothing is trained: the step is compiled for shapes alone.
+"""
 
 
-def _builtin(args: argparse.Namespace) -> Callable[..., Any]:
-    """The guide's transformer with the shape options: `factory(remat)`."""
-    for name in ("layers", "d_model", "heads", "d_ff", "seq", "batch"):
-        if getattr(args, name) < 1:
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{flag} must be a positive int, got {getattr(args, name)}.")
-    x = jax.ShapeDtypeStruct((args.batch, args.seq, args.d_model), jnp.float32)
-
-    def factory(remat: str) -> tuple:
-        model = transformer_encoder(
-            args.layers, args.d_model, args.heads, args.d_ff, key=jr.PRNGKey(0), remat=remat
-        )
-        return model, mse, (x, x)
-
-    return factory
+class UserCodeError(Exception):
+    """An exception raised by the user's `--model` factory or its loss."""
 
 
-def _user_factory(spec: str) -> Callable[..., Any]:
-    module_name, sep, function_name = spec.partition(":")
-    if not sep or not module_name or not function_name:
-        raise ValueError(
-            f"--model {spec!r}: expected module:function, e.g. mypackage.models:make_model."
-        )
-    if "" not in sys.path:
-        sys.path.insert(0, "")  # as `python -m`: modules in the working directory import
-    module = importlib.import_module(module_name)
+def _version() -> str:
     try:
-        factory = getattr(module, function_name)
-    except AttributeError:
-        raise ValueError(
-            f"--model {spec!r}: module {module_name} has no {function_name}."
-        ) from None
-    if not callable(factory):
-        raise ValueError(f"--model {spec!r}: {function_name} is not a function.")
-    return factory
+        from .. import __version__
+
+        return str(__version__)
+    except Exception:  # an uninstalled checkout without version metadata
+        return "unknown"
 
 
-def _build(factory: Callable[..., Any], remat: str, spec: str, concrete: bool) -> tuple:
-    """(model, loss_fn, batch, optimizer or None), abstract unless `concrete`."""
-    out = factory(remat) if concrete else eqx.filter_eval_shape(factory, remat)
-    if not isinstance(out, tuple) or len(out) not in (3, 4):
-        raise ValueError(
-            f"--model {spec}: the function must return (model, loss_fn, batch) or "
-            f"(model, loss_fn, batch, optimizer); got {type(out).__name__}"
-            + (f" of length {len(out)}" if isinstance(out, tuple) else "")
-            + "."
-        )
-    model, loss_fn, batch = out[:3]
-    optimizer = out[3] if len(out) == 4 else None
-    return model, loss_fn, tuple(batch), optimizer
+def _positive(flag: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} expects an int >= 1, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} expects an int >= 1, got {value}")
+        return value
+
+    return parse
 
 
 def _csv(kind: Callable[[str], Any], choices: Sequence[str] | None = None):
@@ -112,6 +108,18 @@ def _csv(kind: Callable[[str], Any], choices: Sequence[str] | None = None):
     return parse
 
 
+def _density(text: str) -> float | None:
+    if text in ("dense", "none", "1"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"density {text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"density {value} is not in (0, 1]")
+    return value
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -120,84 +128,329 @@ def _size(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    model = argparse.ArgumentParser(add_help=False)
-    g = model.add_argument_group("model (the built-in transformer, or --model)")
-    g.add_argument("--layers", type=int, default=12, help="transformer blocks (12)")
-    g.add_argument("--d-model", type=int, default=512, help="residual width (512)")
-    g.add_argument("--heads", type=int, default=8, help="attention heads (8)")
-    g.add_argument("--d-ff", type=int, default=2048, help="feed-forward width (2048)")
-    g.add_argument("--seq", type=int, default=256, help="sequence length (256)")
-    g.add_argument("--batch", type=int, default=32, help="samples per batch (32)")
+    model = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    g = model.add_argument_group("model (built in, or your own with --model module:function)")
+    g.add_argument(
+        "--model",
+        default="encoder",
+        metavar="{encoder,lm,MODULE:FUNCTION}",
+        help="encoder: transformer encoder with MSE (the guide's; default); lm: the README's "
+        "causal language model with next-token loss; MODULE:FUNCTION: FUNCTION(remat) returns "
+        "(model, loss_fn, batch[, optimizer])",
+    )
+    g.add_argument("--layers", type=_positive("--layers"), default=12, help="blocks (12)")
+    g.add_argument("--d-model", type=_positive("--d-model"), default=512, help="width (512)")
+    g.add_argument("--heads", type=_positive("--heads"), default=8, help="attention heads (8)")
+    g.add_argument("--d-ff", type=_positive("--d-ff"), default=2048, help="feed-forward (2048)")
+    g.add_argument("--seq", type=_positive("--seq"), default=256, help="sequence length (256)")
+    g.add_argument("--vocab", type=_positive("--vocab"), default=128, help="lm vocabulary (128)")
+    g.add_argument(
+        "--batch",
+        type=_positive("--batch"),
+        default=32,
+        help="the whole batch of one update, split into --accumulate micro-batches (32)",
+    )
     g.add_argument(
         "--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="optimizer (adam)"
     )
     g.add_argument(
-        "--model",
-        metavar="MODULE:FUNCTION",
-        help="your model: FUNCTION(remat) returns (model, loss_fn, batch[, optimizer])",
+        "--devices",
+        type=_positive("--devices"),
+        default=1,
+        help="report per device of a mesh of N devices (on CPU, N host devices) (1)",
     )
-    out = argparse.ArgumentParser(add_help=False)
+    out = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     out.add_argument("--json", metavar="PATH", help="also write the result as JSON")
-    out.add_argument("--plot", metavar="PATH", help="also write a PNG plot")
+    out.add_argument("--plot", metavar="PATH", help="also write a PNG plot (needs matplotlib)")
+    out.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
 
+    common = dict(
+        allow_abbrev=False, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser = argparse.ArgumentParser(
         prog="eqx-lowmem",
         description="Where the memory of a training step goes, and which combination of "
-        "remat, micro-batches and precision fits a budget. Compiles; runs nothing.",
+        "remat, micro-batches, precision and sharding fits a budget. Compiles; runs nothing.",
+        **common,
     )
+    parser.add_argument("--version", action="version", version=f"eqx-lowmem {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser(
-        "report", parents=[model, out], help="the memory of one training step, by part"
+        "report",
+        parents=[model, out],
+        help="the memory of one training step, by part",
+        description="The memory of one training step, by part, from compilation alone.",
+        **common,
     )
-    report.add_argument("--remat", choices=REMAT_CHOICES, default="none", help="(none)")
-    report.add_argument("--accumulate", type=int, default=1, help="micro-batches per batch (1)")
-    report.add_argument("--precision", choices=sorted(PRESETS), default="float32")
-    report.add_argument("--plot-kind", choices=("bar", "pie"), default="bar")
+    report.add_argument(
+        "--remat", choices=REMAT_PRESETS, default="none", help="recomputation preset (none)"
+    )
+    report.add_argument(
+        "--accumulate", type=_positive("--accumulate"), default=1, help="micro-batches (1)"
+    )
+    report.add_argument(
+        "--precision",
+        choices=sorted(PRECISION_PRESETS),
+        default="float32",
+        help=f"dtype policy (float32). {_PRECISION_HELP}",
+    )
+    report.add_argument(
+        "--shard",
+        choices=SHARDS,
+        default="data",
+        help="with --devices: replicate (data) or "
+        "shard (fsdp) parameters and optimizer state (data)",
+    )
+    report.add_argument(
+        "--plot-kind",
+        choices=("bar", "pie"),
+        default="bar",
+        help="--plot as a stacked bar of the parts (bar, the default) or a pie",
+    )
     report.add_argument(
         "--measure", action="store_true", help="also run one step and measure (GPU/TPU)"
     )
     p = sub.add_parser(
-        "plan", parents=[model, out], help="the fastest combination that fits --budget"
+        "plan",
+        parents=[model, out],
+        help="the fastest combination that fits --budget",
+        description="The fastest combination of remat, micro-batches, precision (and "
+        "sharding) whose compiled peak fits --budget.",
+        **common,
     )
     p.add_argument("--budget", type=_size, required=True, help="e.g. 2GiB, 512MiB, 1.5GB")
     p.add_argument(
         "--remats",
-        type=_csv(str, REMAT_CHOICES),
-        default=["none", "minimal", "dots", "full"],
-        help="comma-separated (none,minimal,dots,full)",
+        type=_csv(str, REMAT_PRESETS),
+        default=list(REMAT_PRESETS),
+        help=f"comma-separated ({','.join(REMAT_PRESETS)})",
     )
     p.add_argument(
-        "--accumulates", type=_csv(int), default=[1, 2, 4, 8], help="comma-separated (1,2,4,8)"
+        "--accumulates",
+        type=_csv(_positive("--accumulates")),
+        default=list(ACCUMULATES),
+        help=f"comma-separated ints >= 1 ({','.join(map(str, ACCUMULATES))})",
     )
     p.add_argument(
         "--precisions",
-        type=_csv(str, sorted(PRESETS)),
-        default=["float32", "mixed_bf16"],
-        help="comma-separated (float32,mixed_bf16)",
+        type=_csv(str, sorted(PRECISION_PRESETS)),
+        default=list(PRECISIONS),
+        help=f"comma-separated ({','.join(PRECISIONS)}). {_PRECISION_HELP}",
+    )
+    p.add_argument(
+        "--shards",
+        type=_csv(str, SHARDS),
+        default=None,
+        help="comma-separated, with --devices (data,fsdp)",
+    )
+    p.add_argument(
+        "--densities",
+        type=_csv(_density),
+        default=[None],
+        help="comma-separated sparse densities in (0, 1], 'dense' for none (dense)",
     )
     p.add_argument(
         "--target",
-        choices=("compiled", "accelerator"),
+        choices=TARGETS,
         default="compiled",
         help="fit the peak compiled here, or the GPU/TPU estimate (compiled)",
     )
+    p.add_argument(
+        "--rank-for",
+        choices=("cpu", "gpu", "tpu"),
+        default=None,
+        help="the device kind whose speeds rank the candidates (the backend here, or gpu "
+        "with --target accelerator)",
+    )
     p.add_argument("--measure", action="store_true", help="rank by timed steps on this device")
-    p.add_argument("--steps", type=int, default=3, help="timed steps with --measure (3)")
+    p.add_argument("--steps", type=_positive("--steps"), default=3, help="timed steps (3)")
     return parser
 
 
-def _report(args: argparse.Namespace, factory, spec: str) -> None:
-    model, loss_fn, batch, optimizer = _build(factory, args.remat, spec, args.measure)
+def _builtin(args: argparse.Namespace) -> Callable[..., Any]:
+    """The built-in model with the shape options: `factory(remat)`."""
+    from ..nn import CausalLM, transformer_encoder
+    from ..train._losses import mse, next_token_loss
+
+    if args.model == "lm":
+        tokens = jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.int32)
+
+        def lm(remat: str) -> tuple:
+            m = CausalLM(
+                args.vocab,
+                args.seq,
+                args.layers,
+                args.d_model,
+                args.heads,
+                args.d_ff,
+                key=jr.PRNGKey(0),
+                remat=remat,
+            )
+            return m, next_token_loss, (tokens,)
+
+        return lm
+    x = jax.ShapeDtypeStruct((args.batch, args.seq, args.d_model), jnp.float32)
+
+    def encoder(remat: str) -> tuple:
+        m = transformer_encoder(
+            args.layers, args.d_model, args.heads, args.d_ff, key=jr.PRNGKey(0), remat=remat
+        )
+        return m, mse, (x, x)
+
+    return encoder
+
+
+def _describe(args: argparse.Namespace) -> str:
+    shape = (
+        f"{args.layers} layers, d_model {args.d_model}, {args.heads} heads, d_ff {args.d_ff}, "
+        f"seq {args.seq}, batch {args.batch}, {args.optimizer}"
+    )
+    if args.model == "lm":
+        return f"lm: CausalLM vocab {args.vocab}, {shape}, next_token_loss"
+    return f"encoder: transformer_encoder {shape}, mse"
+
+
+def _user_factory(spec: str) -> Callable[..., Any]:
+    module_name, sep, function_name = spec.partition(":")
+    if not sep or not module_name or not function_name:
+        raise ValueError(
+            f"--model {spec!r}: expected module:function (or encoder, lm), e.g. "
+            "mypackage.models:make_model."
+        )
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # as `python -m`: modules in the working directory import
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--model {spec!r}: cannot import {module_name}: {e}") from None
+    except Exception as e:
+        raise UserCodeError(f"importing {module_name} raised {_one_line(e)}") from e
+    try:
+        factory = getattr(module, function_name)
+    except AttributeError:
+        raise ValueError(
+            f"--model {spec!r}: module {module_name} has no {function_name}."
+        ) from None
+    if not callable(factory):
+        raise ValueError(f"--model {spec!r}: {function_name} is not a function.")
+    return factory
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    first = text[0] if text else ""
+    return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
+
+
+def _build(factory: Callable[..., Any], remat: str, spec: str, concrete: bool, user: bool):
+    """(model, loss_fn, batch, optimizer or None), abstract unless `concrete`."""
+    try:
+        out = factory(remat) if concrete else eqx.filter_eval_shape(factory, remat)
+    except Exception as e:
+        if not user:
+            raise
+        raise UserCodeError(f"{spec}({remat!r}) raised {_one_line(e)}") from e
+    if not isinstance(out, tuple) or len(out) not in (3, 4):
+        raise ValueError(
+            f"--model {spec}: the function must return (model, loss_fn, batch) or "
+            f"(model, loss_fn, batch, optimizer); got {type(out).__name__}"
+            + (f" of length {len(out)}" if isinstance(out, tuple) else "")
+            + "."
+        )
+    model, loss_fn, batch = out[:3]
+    optimizer = out[3] if len(out) == 4 else None
+    if not isinstance(batch, (tuple, list)):
+        raise ValueError(
+            f"--model {spec}: the batch it returns must be a tuple of arrays or "
+            f"jax.ShapeDtypeStructs, such as (x, y); got {type(batch).__name__}."
+        )
+    return model, loss_fn, tuple(batch), optimizer
+
+
+def _check_output(flag: str, path: str | None) -> None:
+    """Fail now, before compiling anything, when `path` cannot be written."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a file name.")
+    directory = target.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot create {directory}: {e.strerror}.") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {directory} is not writable.")
+    if flag == "--plot":
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ValueError(
+                "--plot needs matplotlib: pip install matplotlib (from a checkout: "
+                "pip install -e '.[plot]')."
+            )
+
+
+def _mesh(devices: int) -> Any:
+    if devices == 1:
+        return None
+    have = jax.device_count()
+    if have < devices:
+        raise ValueError(
+            f"--devices {devices}: only {have} {jax.default_backend()} device(s) here. On CPU "
+            "the command makes N host devices itself unless the backend started already."
+        )
+    return jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))
+
+
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+
+
+def _from_user_code(e: BaseException, files: str) -> bool:
+    """Whether a frame of `e`'s traceback is in the user's files (outside this package)."""
+    tb = e.__traceback__
+    while tb is not None:
+        name = str(Path(tb.tb_frame.f_code.co_filename).resolve())
+        if name.startswith(files) and not name.startswith(_PACKAGE):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _guarded(user: bool, factory: Any, fn: Callable[[], Any]) -> Any:
+    """Run `fn`; with a user's model, an exception from the model or its loss (traced inside
+    the report) becomes a `UserCodeError` naming it; this package's own clear errors
+    (ValueError, TypeError) pass as they are."""
+    if not user:
+        return fn()
+    module = sys.modules.get(getattr(factory, "__module__", ""), None)
+    files = str(Path(getattr(module, "__file__", None) or ".").resolve().parent)
+    try:
+        return fn()
+    except (BudgetError, UserCodeError):
+        raise
+    except Exception as e:
+        if _from_user_code(e, files) or not isinstance(e, (ValueError, TypeError)):
+            raise UserCodeError(f"its model or loss raised {_one_line(e)}") from e
+        raise
+
+
+def _report(args, factory, spec: str, user: bool, mesh) -> None:
+    model, loss_fn, batch, optimizer = _build(factory, args.remat, spec, args.measure, user)
     optimizer = optimizer or OPTIMIZERS[args.optimizer]()
-    report = memory_report(
-        model,
-        loss_fn,
-        optimizer,
-        batch,
-        accumulate=args.accumulate,
-        precision=args.precision,
-        measure=args.measure,
-        name=spec,
+    report = _guarded(
+        user,
+        factory,
+        lambda: memory_report(
+            model,
+            loss_fn,
+            optimizer,
+            batch,
+            accumulate=args.accumulate,
+            precision=args.precision,
+            mesh=mesh,
+            shard=args.shard,
+            measure=args.measure,
+            name=spec,
+        ),
     )
     print(report)
     if args.json:
@@ -210,25 +463,38 @@ def _report(args: argparse.Namespace, factory, spec: str) -> None:
         print(f"wrote {args.plot}")
 
 
-def _plan(args: argparse.Namespace, factory, spec: str) -> None:
-    _, loss_fn, batch, optimizer = _build(factory, args.remats[0], spec, False)
+def _plan(args, factory, spec: str, user: bool, mesh) -> None:
+    _, loss_fn, batch, optimizer = _build(factory, args.remats[0], spec, False, user)
     optimizer = optimizer or OPTIMIZERS[args.optimizer]()
 
     def make_model(remat):
-        return _build(factory, remat, spec, args.measure)[0]
+        return _build(factory, remat, spec, args.measure, user)[0]
 
-    result = plan(
-        make_model,
-        loss_fn,
-        optimizer,
-        batch,
-        budget=args.budget,
-        remats=args.remats,
-        accumulates=args.accumulates,
-        precisions=args.precisions,
-        target=args.target,
-        measure=args.measure,
-        steps=args.steps,
+    def progress(line: str) -> None:
+        print(f"  {line}", file=sys.stderr, flush=True)
+
+    print("compiling each candidate (nothing runs):", file=sys.stderr, flush=True)
+    result = _guarded(
+        user,
+        factory,
+        lambda: plan(
+            make_model,
+            loss_fn,
+            optimizer,
+            batch,
+            budget=args.budget,
+            remats=args.remats,
+            accumulates=args.accumulates,
+            precisions=args.precisions,
+            densities=args.densities,
+            mesh=mesh,
+            shards=args.shards,
+            target=args.target,
+            rank_for=args.rank_for,
+            measure=args.measure,
+            steps=args.steps,
+            progress=progress,
+        ),
     )
     print(result)
     print()
@@ -243,27 +509,49 @@ def _plan(args: argparse.Namespace, factory, spec: str) -> None:
         print(f"wrote {args.plot}")
 
 
+def _host_devices(devices: int) -> None:
+    """On CPU, ask XLA for `devices` host devices (before the backend starts)."""
+    if devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get(
+        "XLA_FLAGS", ""
+    ):
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 success, 1 error, 2 bad usage)."""
     args = _parser().parse_args(argv)
     start = time.perf_counter()
+    user = args.model not in BUILTIN_MODELS
+    spec = args.model if user else _describe(args)
     try:
-        if args.model:
-            spec, factory = args.model, _user_factory(args.model)
-        else:
-            spec = (
-                f"transformer {args.layers}x{args.d_model} heads={args.heads} d_ff={args.d_ff} "
-                f"seq={args.seq} batch={args.batch} {args.optimizer}"
-            )
-            factory = _builtin(args)
+        _check_output("--json", args.json)
+        _check_output("--plot", args.plot)
+        if args.command == "report" and args.shard != "data" and args.devices == 1:
+            raise ValueError(f"--shard {args.shard} shards over devices: add --devices N.")
+        _host_devices(args.devices)
+        mesh = _mesh(args.devices)
+        factory = _user_factory(args.model) if user else _builtin(args)
+        print(f"model: {spec}", file=sys.stderr, flush=True)
         if args.command == "report":
-            _report(args, factory, spec)
+            _report(args, factory, spec, user, mesh)
         else:
-            _plan(args, factory, spec)
+            _plan(args, factory, spec, user, mesh)
     except BudgetError as e:
         print(f"eqx-lowmem plan: {e}", file=sys.stderr)
         return 1
-    except (ValueError, TypeError, ImportError) as e:
+    except UserCodeError as e:
+        if args.traceback:
+            raise
+        print(
+            f"eqx-lowmem {args.command}: error in --model {args.model}: {e} "
+            "(--traceback shows where)",
+            file=sys.stderr,
+        )
+        return 1
+    except (ValueError, TypeError, ImportError, OSError) as e:
+        if args.traceback:
+            raise
         print(f"eqx-lowmem {args.command}: error: {e}", file=sys.stderr)
         return 1
     print(f"({args.command} took {time.perf_counter() - start:.1f} s)")

@@ -10,6 +10,7 @@ that `remat` adds, as the program asks for them (before XLA fuses or simplifies 
 
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -106,29 +107,82 @@ class Cost(NamedTuple):
         transcendentals: exponentials, logarithms, square roots and the like.
         unknown_loops: `while` loops whose trip count the trace does not state; each body is
             counted once (scans, which state their length, are counted exactly).
+        flops_16bit: the part of `flops` computed in a 16-bit type (bfloat16, float16): of
+            products, the 16-bit operands; of other work, the 16-bit results.
+        matmul_flops_16bit: the part of `matmul_flops` with 16-bit operands.
     """
 
     flops: float = 0.0
     matmul_flops: float = 0.0
     transcendentals: float = 0.0
     unknown_loops: int = 0
+    flops_16bit: float = 0.0
+    matmul_flops_16bit: float = 0.0
 
     def __add__(self, other: "Cost") -> "Cost":  # type: ignore[override]
+        return Cost(*(a + b for a, b in zip(self, other, strict=True)))
+
+    def scale(self, n: int | float) -> "Cost":
+        """Every count but `unknown_loops` times `n` (a loop run `n` times)."""
         return Cost(
-            self.flops + other.flops,
-            self.matmul_flops + other.matmul_flops,
-            self.transcendentals + other.transcendentals,
-            self.unknown_loops + other.unknown_loops,
+            *(v if f == "unknown_loops" else v * n for f, v in zip(self._fields, self, strict=True))
         )
 
-    def scale(self, n: "int | float") -> "Cost":
-        flops, matmul, transcendentals, unknown = self
-        return Cost(flops * n, matmul * n, transcendentals * n, unknown)
+
+class Throughput(NamedTuple):
+    """Relative speeds of a kind of device, in operations per unit of time, for ranking.
+
+    Only ratios matter: `relative_time` of two steps compares them on one device kind.
+
+    Attributes:
+        matmul32: matrix products with float32 operands.
+        matmul16: matrix products with 16-bit operands.
+        other32: other (element-wise, reduction) work in float32.
+        other16: other work in 16 bits.
+    """
+
+    matmul32: float
+    matmul16: float
+    other32: float
+    other16: float
+
+
+# Rough, stated ratios (the planner says it ranks by them; measure=True times instead):
+# - cpu: XLA:CPU converts 16-bit operands to float32 for every product and most element-wise
+#   work, so 16 bits run slower there (about half speed).
+# - gpu: tensor cores run 16-bit products at twice TensorFloat-32's rate (JAX's float32
+#   default on Ampere and later: A100 312 vs 156 TFLOPS, H100 990 vs 495); element-wise work
+#   is bound by memory bandwidth, about 1/100 of the product rate, and twice as fast at half
+#   the bytes.
+# - tpu: the MXU multiplies bfloat16; float32 products take several passes (about 1/3).
+THROUGHPUTS: dict[str, Throughput] = {
+    "cpu": Throughput(matmul32=1.0, matmul16=0.5, other32=0.1, other16=0.05),
+    "gpu": Throughput(matmul32=1.0, matmul16=2.0, other32=0.01, other16=0.02),
+    "tpu": Throughput(matmul32=1 / 3, matmul16=1.0, other32=0.02, other16=0.02),
+}
+
+
+def relative_time(cost: Cost, throughput: Throughput) -> float:
+    """The time `cost` takes at `throughput`, in its relative units: each kind of work
+    divided by its rate."""
+    m16 = cost.matmul_flops_16bit
+    m32 = cost.matmul_flops - m16
+    o16 = cost.flops_16bit - m16
+    o32 = cost.flops - cost.matmul_flops - o16
+    t = throughput
+    return m32 / t.matmul32 + m16 / t.matmul16 + o32 / t.other32 + o16 / t.other16
 
 
 def _size(aval: Any) -> float:
     shape = getattr(aval, "shape", ())
     return float(np.prod(shape)) if shape else 1.0
+
+
+def _is_16bit(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None or np.dtype(dtype).itemsize != 2:
+        return False
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def _eqn_cost(eqn) -> Cost:
@@ -154,18 +208,22 @@ def _eqn_cost(eqn) -> Cost:
         lhs = eqn.invars[0].aval
         k = float(np.prod([lhs.shape[d] for d in contract])) if contract else 1.0
         flops = 2.0 * _size(eqn.outvars[0].aval) * k
-        return Cost(flops, flops)
+        half = flops if _is_16bit(lhs) else 0.0
+        return Cost(flops, flops, flops_16bit=half, matmul_flops_16bit=half)
     if prim == "conv_general_dilated":
         rhs = eqn.invars[1].aval
         out_features = rhs.shape[params["dimension_numbers"].rhs_spec[0]]
         flops = 2.0 * _size(eqn.outvars[0].aval) * _size(rhs) / out_features
-        return Cost(flops, flops)
+        half = flops if _is_16bit(rhs) else 0.0
+        return Cost(flops, flops, flops_16bit=half, matmul_flops_16bit=half)
     if prim in _FREE:
         return Cost()
     if prim in _REDUCTIONS:
-        return Cost(sum(_size(v.aval) for v in eqn.invars))
+        n = sum(_size(v.aval) for v in eqn.invars)
+        return Cost(n, flops_16bit=n if _is_16bit(eqn.invars[0].aval) else 0.0)
     out = sum(_size(v.aval) for v in eqn.outvars)
-    return Cost(out, 0.0, out if prim in _TRANSCENDENTAL else 0.0)
+    half = out if eqn.outvars and _is_16bit(eqn.outvars[0].aval) else 0.0
+    return Cost(out, 0.0, out if prim in _TRANSCENDENTAL else 0.0, flops_16bit=half)
 
 
 def jaxpr_cost(jaxpr: Any) -> Cost:

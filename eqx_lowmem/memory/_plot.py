@@ -1,4 +1,4 @@
-"""Plots of memory reports and plans (matplotlib: `pip install eqx-lowmem[plot]`).
+"""Plots of memory reports and plans (they need matplotlib: `pip install matplotlib`).
 
 Figures are built with `matplotlib.figure.Figure` and the Agg canvas, never `pyplot`, so
 they need no display and leave global state alone; written PNGs appear atomically.
@@ -9,9 +9,10 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from ._io import atomic_write
-from ._plan import Plan, _remat_text
-from ._report import PART_LABELS, PARTS, MemoryReport
+from .._io import atomic_write
+from ._plan import Plan
+from ._result import PART_LABELS, PARTS, MemoryReport
+from ._units import remat_text
 
 # One colour per part, in PARTS order: the paper's Figure 1 groups (model, optimizer,
 # activations) in related hues, the batch and the remainder in greys.
@@ -34,7 +35,8 @@ def _figure(width: float, height: float) -> Any:
         from matplotlib.figure import Figure
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError(
-            "plots need matplotlib: pip install 'eqx-lowmem[plot]' (or pip install matplotlib)."
+            "plots need matplotlib: pip install matplotlib (from a checkout: pip install -e "
+            "'.[plot]')."
         ) from e
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
@@ -50,7 +52,7 @@ def _unit(max_bytes: "int | float") -> tuple[str, float]:
 
 def _save(fig: Any, path: "str | os.PathLike[str] | None", dpi: int) -> None:
     if path is not None:
-        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi), binary=True)
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
 
 
 def plot_report(
@@ -123,7 +125,7 @@ def _bars(reports: list[MemoryReport], labels: list[str], budget: "int | None") 
     xs = range(len(reports))
     bottoms = [0.0] * len(reports)
     for part in PARTS:
-        heights = [max(r.parts[part], 0) / scale for r in reports]
+        heights = [r.parts[part] / scale for r in reports]
         if not any(heights):
             continue
         ax.bar(
@@ -150,8 +152,8 @@ def _bars(reports: list[MemoryReport], labels: list[str], budget: "int | None") 
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     for x, r, b in zip(xs, reports, bottoms, strict=True):
         text = f"{r.peak_bytes / scale:.3g} {unit}"
-        if r.parts["other"] < 0:  # parts that XLA overlaps: the bar overshoots the peak
-            text += f"\n(parts overlap by {-r.parts['other'] / scale:.3g})"
+        if r.overlap_bytes:  # parts that XLA overlaps: the bar overshoots the peak
+            text += f"\n(parts overlap by {r.overlap_bytes / scale:.3g})"
         ax.annotate(
             text,
             (x, b),
@@ -248,8 +250,9 @@ def plot_plan(
 ) -> Any:
     """Memory against step cost for every candidate of a plan.
 
-    One point per candidate: its peak (the plan's `target`) against its FLOPs, or its
-    measured seconds per step for a measured plan. Colour: remat; marker: precision; the
+    One point per candidate: its peak (the plan's `target`) against its estimated step time
+    relative to the chosen one (`Plan.estimated`), or its measured seconds per step for a
+    measured plan. Colour: remat; marker: precision; the
     number beside a point: micro-batches. Candidates over the budget are faded, the budget
     is a dotted line, and the chosen one is circled.
 
@@ -268,14 +271,14 @@ def plot_plan(
     points = [c for c in plan.candidates if not measured or c.seconds is not None]
     top = max([c.peak_bytes for c in plan.candidates] + [plan.budget])
     unit, scale = _unit(top)
-    remats = list(dict.fromkeys(_remat_text(c.remat) for c in plan.candidates))
+    remats = list(dict.fromkeys(remat_text(c.remat) for c in plan.candidates))
     precisions = list(dict.fromkeys(c.precision for c in plan.candidates))
 
     def cost(c) -> float:
-        return float(c.seconds) if measured else c.flops / 1e9
+        return float(c.seconds) if measured else plan.estimated(c)
 
     for c in points:
-        colour = _REMAT_COLOURS[remats.index(_remat_text(c.remat)) % len(_REMAT_COLOURS)]
+        colour = _REMAT_COLOURS[remats.index(remat_text(c.remat)) % len(_REMAT_COLOURS)]
         marker = _MARKERS[precisions.index(c.precision) % len(_MARKERS)]
         x, y = cost(c), c.peak_bytes / scale
         ax.scatter(
@@ -342,7 +345,11 @@ def plot_plan(
         for i, r in enumerate(remats)
     ] + [_marker("#555555", _MARKERS[i % len(_MARKERS)], p) for i, p in enumerate(precisions)]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
-    ax.set_xlabel("measured seconds per step" if measured else "GFLOPs per step")
+    ax.set_xlabel(
+        "measured seconds per step"
+        if measured
+        else f"estimated step time relative to the chosen one ({plan.ranking().split(' (')[0]})"
+    )
     ax.set_ylabel(f"{plan.target} peak ({unit})")
     ax.set_ylim(0, top / scale * 1.18)  # room for the "chosen" label
     ax.grid(alpha=0.3)

@@ -1,6 +1,7 @@
-"""Byte sizes as people write them: "2GiB", "512MiB", "1.5GB"."""
+"""Sizes and settings as people write them: "2GiB", "512MiB", "1.5GB"; "remat=full"."""
 
 import re
+from typing import Any
 
 _UNITS = {
     "": 1,
@@ -17,21 +18,26 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(size: "int | str") -> int:
+def parse_size(size: int | str) -> int:
     """Bytes from an int or a string with a unit: `"2GiB"`, `"512MiB"`, `"1.5GB"`, `"4096"`.
 
     Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB) of
     1000; case is ignored. Fractions round down to whole bytes.
 
     Raises:
+        TypeError: for anything but an int or a str (a float such as 2.5, a bool).
         ValueError: for a negative size, an unknown unit or text that is not a size.
 
     Example:
         >>> parse_size("1.5GiB"), parse_size("512MiB"), parse_size("2GB")
         (1610612736, 536870912, 2000000000)
     """
-    if isinstance(size, bool):
-        raise TypeError(f"size must be an int or a string such as '2GiB', got {size!r}.")
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        hint = " (a fraction needs a unit: '2.5GiB')" if isinstance(size, float) else ""
+        raise TypeError(
+            f"size must be an int (bytes) or a string such as '2GiB', got "
+            f"{type(size).__name__} {size!r}{hint}."
+        )
     if isinstance(size, int):
         if size < 0:
             raise ValueError(f"size must be >= 0 bytes, got {size}.")
@@ -45,7 +51,7 @@ def parse_size(size: "int | str") -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-def format_bytes(n: "int | float") -> str:
+def format_bytes(n: int | float) -> str:
     """`n` bytes in the largest binary unit that keeps it >= 1: `"1.50 GiB"`, `"512.0 MiB"`.
 
     Example:
@@ -59,3 +65,20 @@ def format_bytes(n: "int | float") -> str:
             value = n / scale
             return f"{sign}{value:.2f} {unit}" if value < 10 else f"{sign}{value:.1f} {unit}"
     return f"{sign}{int(n)} B"
+
+
+def format_flops(flops: int | float) -> str:
+    """A count of operations with an SI prefix: `"3.2 G"`."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {unit}"
+    return f"{flops:.3g} "
+
+
+def remat_text(remat: Any) -> str:
+    """A `remat=` setting by its preset name: `False` -> `"none"`, `True` -> `"full"`."""
+    if remat is False or remat is None:
+        return "none"
+    if remat is True:
+        return "full"
+    return str(remat)
