@@ -145,3 +145,41 @@ def test_guide_configuration_temporaries():
     full = _sgd_step_memory(make(True), 32)
     assert full <= 0.15 * none, (full / mib, none / mib)
     assert full <= 832 * mib, full / mib
+
+
+OFFLOADED = ["minimal_offloaded", el.nn.Save("attn_out", offload=("qkv", "ffn_hidden"))]
+
+
+@pytest.mark.parametrize("remat", OFFLOADED)
+@pytest.mark.parametrize("segment, scan", [(None, True), (2, True), (None, False)])
+def test_host_offload_keeps_the_numbers(getkey, remat, segment, scan):
+    # XLA:CPU drops the host placement, so offloading must be exactly saving: with scan,
+    # segments, chunked attention (chunk_size 3 over seq 7, padded) and dropout.
+    key, x, dkey = getkey(), jr.normal(getkey(), (2, 7, 16)), getkey()
+    kwargs = dict(dropout=0.2, causal=True, chunk_size=3, segment=segment, scan=scan)
+    expected = _value_and_grads(_encoder(key, **kwargs), x, dkey)
+    got = _value_and_grads(_encoder(key, remat=remat, **kwargs), x, dkey)
+    assert tree_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_offloaded_residuals_are_placed_on_the_host(getkey, capsys):
+    # JAX traces the offloaded intermediates (qkv (6, 48) and ffn_hidden (6, 24)) into
+    # pinned host memory; XLA:CPU later drops that placement, a GPU keeps it.
+    block = el.nn.TransformerBlock(16, 2, 24, key=getkey(), remat="minimal_offloaded")
+    jax.ad_checkpoint.print_saved_residuals(block, jr.normal(getkey(), (6, 16)))
+    printed = capsys.readouterr().out
+    assert "f32<host>[6,48]" in printed and "f32<host>[6,24]" in printed, printed
+    kept = _kept(el.nn.Save("attn_context", offload=("ffn_in",)), getkey)
+    intermediates = [r for r in kept if r.source.startswith("intermediate")]
+    assert {r.name for r in intermediates} == {"attn_context", None}  # None: the host copy
+    assert sorted(r.shape for r in intermediates) == [(6, 16), (6, 16)]
+
+
+def test_transformer_block_presets_are_declared():
+    names, presets = el.nn._remat.module_remat_names(el.nn.TransformerBlock)
+    assert names == el.nn.BLOCK_NAMES
+    assert presets["dots"] == el.nn.DOTS_NAMES and presets["minimal"] == el.nn.MINIMAL_NAMES
+    with pytest.raises(ValueError, match="offload_me"):
+        el.nn.TransformerBlock(
+            8, 2, 8, key=jr.PRNGKey(0), remat=el.nn.Save(offload=("offload_me",))
+        )
