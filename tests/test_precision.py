@@ -642,3 +642,96 @@ def test_half_storage_halves_parameters_and_adam_state():
         half, _ = _state_bytes(preset)
         assert half == pytest.approx(6 * n, abs=64)  # + counter and rounding key
         assert half <= 0.55 * f32
+
+
+# -- robustness: GradScaler's rounding for any factor, hyperparameters, bad arguments -------
+
+
+def _gradscaler(scale: np.ndarray, factor: float) -> np.ndarray:
+    """What `_amp_update_scale_` stores: float * double, computed in double, stored as float."""
+    with np.errstate(over="ignore"):
+        return (scale.astype(np.float64) * factor).astype(np.float32)
+
+
+@pytest.mark.parametrize("factor", [0.3, 0.7, 0.9, 1 / 3])
+def test_backoff_rounds_once_as_gradscaler_for_any_factor(factor):
+    # Scales across float32's normal range, including every product that lands exactly
+    # halfway between two float32 numbers, where a float32 factor (rounded first) or a
+    # product rounded once from the exact value would differ by an ulp.
+    rng = np.random.default_rng(0)
+    exponents = rng.integers(4, 255, 5000).astype(np.uint32) << 23  # results stay normal
+    scales = (rng.integers(0, 2**23, 5000).astype(np.uint32) | exponents).view(np.float32)
+    ls = dynamic_loss_scale(backoff_factor=factor)
+    adjust = jax.jit(jax.vmap(lambda s: eqx.tree_at(lambda t: t.scale, ls, s).adjust(False).scale))
+    got = np.asarray(adjust(jnp.asarray(scales)))
+    want = _gradscaler(scales, factor)
+    assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    naive = scales * np.float32(factor)  # the old float32 product
+    assert (naive != want).any()
+
+
+@pytest.mark.parametrize("factor", [1.1, 1.3, 3.0])
+def test_growth_over_many_changes_stays_on_gradscalers_scales(factor):
+    ls = dynamic_loss_scale(1.0, growth_interval=1, growth_factor=factor, backoff_factor=0.3)
+    grow = jax.jit(lambda s, f: s.adjust(f))
+    expected = np.float32(1.0)
+    for i in range(60):
+        finite = i % 3 != 2
+        ls = grow(ls, jnp.asarray(finite))
+        expected = _gradscaler(np.asarray(expected), factor if finite else 0.3)
+        assert np.asarray(ls.scale).view(np.uint32) == expected.view(np.uint32), i
+
+
+def test_loss_scale_refuses_non_numbers():
+    for kwargs in ({"initial": "big"}, {"growth_factor": "2"}, {"backoff_factor": None}):
+        with pytest.raises(TypeError, match=next(iter(kwargs))):
+            dynamic_loss_scale(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises((TypeError, ValueError), match="growth_interval"):
+        dynamic_loss_scale(growth_interval=True)
+
+
+def test_half_state_keeps_hyperparameters_and_counts_in_their_dtype():
+    # optax's bias correction (b1 ** count, float32 ** int32) needs standard promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        _half_state_hyperparameters()
+
+
+def _half_state_hyperparameters():
+    params = {"w": jnp.asarray([0.5, -1.0, 2.0]), "b": jnp.asarray(0.25)}
+    grads = {"w": jnp.asarray([0.1, -0.2, 0.3]), "b": jnp.asarray(-0.05)}
+    inner = optax.inject_hyperparams(optax.adam)(1e-3)
+    opt = el.precision.half_state(inner)
+    state = opt.init(params)
+    hyper = state.inner.hyperparams
+    assert hyper["b2"].dtype == jnp.float32 and float(hyper["b2"]) == np.float32(0.999)
+    assert float(hyper["learning_rate"]) == np.float32(1e-3)
+    adam = state.inner.inner_state[0]
+    assert adam.count.dtype == jnp.int32
+    assert adam.mu["w"].dtype == adam.nu["w"].dtype == jnp.bfloat16  # the moment buffers
+    assert adam.mu["b"].dtype == jnp.float32  # a scalar parameter's: 4 bytes, kept
+    updates, state = opt.update(grads, state, params)
+    reference, _ = inner.update(grads, inner.init(params), params)
+    # The first update from zero moments is float32 Adam's exactly: nothing rounded yet.
+    assert all(bool(jnp.isfinite(u).all()) for u in jax.tree.leaves(updates))
+    assert tree_allclose(updates, reference, rtol=1e-6, atol=0)
+    assert state.inner.hyperparams["b2"].dtype == jnp.float32
+    assert state.inner.inner_state[0].mu["w"].dtype == jnp.bfloat16
+    # And under the half_bf16 policy, through the real step.
+    step = el.train.make_step(el.train.mse, inner, precision="half_bf16")
+    model = el.nn.mlp([2, 3, 1], key=jr.PRNGKey(0))
+    train_state = step.init(model, key=jr.PRNGKey(1))
+    x = jr.normal(jr.PRNGKey(2), (4, 2))
+    train_state, metrics = step(train_state, (x, x[:, :1]))
+    assert bool(metrics["finite"])
+    assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(_params(train_state)))
+    hyper = train_state.opt_state.inner.hyperparams
+    assert hyper["b2"].dtype == jnp.float32 and float(hyper["b2"]) == np.float32(0.999)
+
+
+def test_stochastic_rounding_to_an_integer_dtype_is_refused():
+    x = jnp.asarray([0.5, 1.5])
+    for dtype in (jnp.int8, jnp.int32, jnp.float64, "int4"):
+        with pytest.raises(ValueError, match="floating-point dtype of at most 32 bits"):
+            el.precision.stochastic_round(x, dtype, jr.PRNGKey(0))
+    with pytest.raises(ValueError, match="integer type"):
+        el.precision.stochastic_round_tree({"a": x}, jnp.int16, jr.PRNGKey(0))

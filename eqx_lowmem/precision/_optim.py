@@ -2,6 +2,8 @@
 
 from typing import Any, Literal, NamedTuple
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import optax
@@ -10,6 +12,15 @@ from ._policy import cast_floating
 from ._rounding import stochastic_round_tree
 
 _ROUNDINGS = ("stochastic", "nearest")
+
+
+def _is_buffer(x: Any) -> bool:
+    """A leaf of optimizer state stored in 16 bits: a floating array with an axis."""
+    return eqx.is_inexact_array(x) and x.ndim >= 1 and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _nearest(dtype: Any):
+    return lambda x: x.astype(dtype) if _is_buffer(x) else x
 
 
 class HalfState(NamedTuple):
@@ -30,7 +41,11 @@ def half_state(
     """Wrap an optax optimizer so its floating-point state is stored in `dtype`.
 
     Each update casts the state to float32, runs `inner` in float32, and stores the new
-    state back in `dtype`. Integer state (step counters) is untouched.
+    state back in `dtype`. Only the buffers are stored in `dtype`: the floating-point
+    leaves with at least one axis (moments, traces). Scalars keep their dtype: step
+    counters, and the hyperparameters of `optax.inject_hyperparams` (a `b2` of 0.999 is
+    1.0 in bfloat16, and a learning rate of 1e-3 becomes 0.00099945), as do the moments of
+    a scalar parameter (4 bytes each).
 
     Rounding: `"stochastic"` (the default) rounds each new state value up or down at random
     in proportion to its distance to the two neighbouring 16-bit numbers, so it is right on
@@ -79,19 +94,36 @@ def half_state(
         raise ValueError(f"half_state(rounding={rounding!r}); expected one of {_ROUNDINGS}.")
     stochastic = rounding == "stochastic" and dtype != jnp.dtype(jnp.float32)
 
+    def store(inner_state, key):
+        """The buffers of `inner_state` in `dtype`, everything else as it is."""
+        leaves, treedef = jax.tree.flatten(inner_state)
+        slots = [i for i, x in enumerate(leaves) if _is_buffer(x)]
+        buffers = [leaves[i] for i in slots]
+        if stochastic:
+            buffers = stochastic_round_tree(buffers, dtype, key)
+        else:
+            buffers = cast_floating(buffers, dtype)
+        for i, x in zip(slots, buffers, strict=True):
+            leaves[i] = x
+        return jax.tree.unflatten(treedef, leaves)
+
     def init(params):
-        inner_state = cast_floating(inner.init(cast_floating(params, jnp.float32)), dtype)
-        return HalfState(inner_state, jr.PRNGKey(seed) if stochastic else None)
+        inner_state = inner.init(cast_floating(params, jnp.float32))
+        key = jr.PRNGKey(seed) if stochastic else None
+        # The first state is exact in any dtype (zeros, usually): nearest is enough, and
+        # `key` stays unused until the first update.
+        return HalfState(jax.tree.map(_nearest(dtype), inner_state), key)
 
     def update(updates, state, params=None):
-        inner_state = cast_floating(state.inner, jnp.float32)
+        # Buffers to float32; scalars (counts, hyperparameters) were never cast.
+        inner_state = jax.tree.map(_nearest(jnp.float32), state.inner)
         params32 = None if params is None else cast_floating(params, jnp.float32)
         updates, inner_state = inner.update(
             cast_floating(updates, jnp.float32), inner_state, params32
         )
         if stochastic:
             key, round_key = jr.split(state.key)
-            return updates, HalfState(stochastic_round_tree(inner_state, dtype, round_key), key)
-        return updates, HalfState(cast_floating(inner_state, dtype), None)
+            return updates, HalfState(store(inner_state, round_key), key)
+        return updates, HalfState(store(inner_state, None), None)
 
     return optax.GradientTransformation(init, update)

@@ -33,6 +33,9 @@ def stochastic_round(
     Returns:
         `x` rounded to `dtype`, same shape.
 
+    Raises:
+        ValueError: if `dtype` is not a floating-point type of at most 32 bits.
+
     Example:
         >>> import jax.numpy as jnp, jax.random as jr
         >>> x = jnp.full((10000,), 1.0 + 2.0**-10)  # a quarter of bfloat16's step above 1
@@ -45,8 +48,24 @@ def stochastic_round(
     References:
         Gupta et al., "Deep Learning with Limited Numerical Precision", ICML 2015, Section 3.
     """
+    dtype = _check_dtype(dtype)
     x = jnp.asarray(x)
     return _round(x, dtype, jr.bits(key, x.shape, jnp.uint32))
+
+
+def _check_dtype(dtype: Any) -> Any:
+    """The target dtype, refused unless a float of at most 32 bits."""
+    try:
+        d = jnp.dtype(dtype)
+    except TypeError:
+        d = None
+    if d is None or not jnp.issubdtype(d, jnp.floating) or d.itemsize > 4:
+        raise ValueError(
+            f"stochastic rounding to dtype={dtype!r}: expected a floating-point dtype of at "
+            "most 32 bits (jnp.bfloat16, jnp.float16 or jnp.float32); rounding to an "
+            "integer type is not stochastic rounding of floats (use jnp.round, then astype)."
+        )
+    return d
 
 
 def _round(x: Array, dtype: Any, bits: Array) -> Array:
@@ -92,6 +111,7 @@ def stochastic_round_tree(tree: Any, dtype: Any, key: PRNGKeyArray) -> Any:
     generator in the compiled program rather than one per leaf, which matters for compile
     time on CPU.
     """
+    dtype = _check_dtype(dtype)
     leaves, treedef = jax.tree.flatten(tree)
     floating = [i for i, x in enumerate(leaves) if eqx.is_inexact_array(x)]
     if not floating:

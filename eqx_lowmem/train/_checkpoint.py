@@ -91,6 +91,14 @@ def _leaves_with_paths(tree: Any) -> list[tuple[str, Any]]:
     return [(jax.tree_util.keystr(p), x) for p, x in flat]
 
 
+def _array_slots(like: Any) -> tuple[list[Any], Any, list[int], list[str]]:
+    """`like`'s leaves and treedef, the indices of its array leaves, and their paths."""
+    named = _leaves_with_paths(like)
+    leaves, treedef = jax.tree.flatten(like)
+    slots = [i for i, (_, x) in enumerate(named) if _is_leaf_array(x)]
+    return leaves, treedef, slots, [named[i][0] for i in slots]
+
+
 def _host_value(x: Any) -> np.ndarray:
     """Leaf `x` as one host array: gathered from every device, and from every process."""
     if _is_key_dtype(x.dtype):
@@ -404,10 +412,7 @@ def load_checkpoint(
     """
     path = Path(path)
     with _Reader(path) as reader:
-        named = _leaves_with_paths(like)
-        leaves, treedef = jax.tree.flatten(like)
-        slots = [i for i, (_, x) in enumerate(named) if _is_leaf_array(x)]
-        wanted = [named[i][0] for i in slots]
+        leaves, treedef, slots, wanted = _array_slots(like)
         saved = [r["path"] for r in reader.records]
         if wanted != saved:
             raise _mismatch(path, saved, wanted)
@@ -467,10 +472,7 @@ def load_model(path: str | os.PathLike, like: Any) -> Any:
     """
     path = Path(path)
     with _Reader(path) as reader:
-        named = _leaves_with_paths(like)
-        leaves, treedef = jax.tree.flatten(like)
-        slots = [i for i, (_, x) in enumerate(named) if _is_leaf_array(x)]
-        wanted = [named[i][0] for i in slots]
+        leaves, treedef, slots, wanted = _array_slots(like)
         prefixes = [".model", "['model']", ""]
         prefix = next((q for q in prefixes if all(q + p in reader.by_path for p in wanted)), None)
         if prefix is None:
