@@ -28,7 +28,7 @@ TRAIN_SCRIPT = textwrap.dedent(
         model, el.train.mse, optax.adam(0.01), accumulate=2, checkpoint_dir=directory,
         checkpoint_every=3, progress=False, callback=callback,
     )
-    trainer.fit(x, y, epochs=4, batch_size=4, key=jr.PRNGKey(1))
+    trainer.fit(x, y, epochs=4, micro_batch=4, key=jr.PRNGKey(1))
     leaves = [np.asarray(a) for a in jax.tree.leaves(eqx.filter(trainer.model, eqx.is_array))]
     np.savez(out, *leaves)
     """
@@ -69,12 +69,13 @@ def test_killed_run_resumes_bit_identically(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
-    assert (interrupted / "checkpoint.eqx").exists()
+    assert (interrupted / "checkpoint.ckpt").exists()
     assert not (tmp_path / "x.npz").exists()
 
     resumed = _run(TRAIN_SCRIPT, interrupted, tmp_path / "resumed.npz", 0)
-    # It resumed from the checkpoint after update 3 of epoch 2 (numbered 1 from 0).
-    assert resumed.stdout.splitlines()[0] == "update 1 4"
+    # It resumed from the checkpoint after update 4 of epoch 2 (numbered 1 from 0):
+    # checkpoint_every=3 counts the run's updates (8 + 4 = 12).
+    assert resumed.stdout.splitlines()[0] == "update 1 5"
     full, again = _load(tmp_path / "full.npz"), _load(tmp_path / "resumed.npz")
     assert len(full) == len(again) > 0
     assert all(np.array_equal(a, b) for a, b in zip(full, again, strict=True))
@@ -134,6 +135,19 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent(
     assert not any("all-reduce" in computations[c] for c in inside), "all-reduce inside a loop"
     assert "all-reduce" in hlo
     print("reductions outside loops: ok")
+
+    # The Trainer refuses, before any work, a micro-batch the 4 devices do not divide.
+    trainer = el.train.Trainer(model, el.train.mse, optax.sgd(0.1), mesh=mesh, progress=False)
+    try:
+        trainer.fit(x, y, epochs=1, micro_batch=6, key=jr.PRNGKey(0))
+    except ValueError as e:
+        assert "micro_batch=6 is not divisible by the 4 devices" in str(e), e
+        assert trainer.state is None
+        print("indivisible micro-batch refused")
+    # A micro-batch they divide, with a short last batch (22 = 2 x 8 + 6) they do not.
+    trainer.fit(x, y, epochs=1, micro_batch=8, key=jr.PRNGKey(0))
+    assert int(trainer.state.step) == 3
+    print("trainer on 4 devices: ok")
     """
 )
 
@@ -144,3 +158,5 @@ def test_data_parallel_equals_single_device():
     out = _run(DATA_PARALLEL_SCRIPT, env=env)
     assert "float32 equal True" in out.stdout
     assert "reductions outside loops: ok" in out.stdout
+    assert "indivisible micro-batch refused" in out.stdout
+    assert "trainer on 4 devices: ok" in out.stdout

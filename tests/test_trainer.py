@@ -1,5 +1,8 @@
 """The Trainer: the guide's examples, streams, evaluation, bad input, non-finite losses."""
 
+import re
+import threading
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -177,3 +180,228 @@ def test_resume_continues_exactly(tmp_path):
     assert history == full_history
     assert tree_allclose(resumed.model, full.model, rtol=0, atol=0)
     assert int(resumed.state.step) == int(full.state.step)
+
+
+def _trainer(**kwargs):
+    kwargs.setdefault("progress", False)
+    model = kwargs.pop("model", None) or el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0))
+    optimizer = kwargs.pop("optimizer", None) or optax.sgd(0.05)
+    return el.train.Trainer(model, kwargs.pop("loss", el.train.mse), optimizer, **kwargs)
+
+
+def test_the_model_is_held_once_and_a_second_fit_continues():
+    X, y = _guide_data()
+    once = _trainer()
+    once.fit(X, y, epochs=4, micro_batch=8, key=jr.PRNGKey(1), shuffle=False)
+    twice = _trainer()
+    first = twice.fit(X, y, epochs=2, micro_batch=8, key=jr.PRNGKey(1), shuffle=False)
+    assert twice.model is twice.state.model and twice._model is None
+    second = twice.fit(X, y, epochs=2, micro_batch=8, key=jr.PRNGKey(1), shuffle=False)
+    assert second["train_loss"][0] < first["train_loss"][-1]  # continued, not restarted
+    assert int(twice.state.step) == int(once.state.step) == 4 * 8
+    assert tree_allclose(twice.model, once.model, rtol=0, atol=0)
+
+
+def test_updates_and_eval_every_and_resume_to_more_updates(tmp_path):
+    X, y = _guide_data()  # 64 samples, micro-batches of 4, accumulate 2: 8 updates an epoch
+    kwargs = dict(optimizer=optax.adam(0.01), accumulate=2, checkpoint_every=5)
+    full = _trainer(checkpoint_dir=tmp_path / "full", **kwargs)
+    fit = dict(micro_batch=4, key=jr.PRNGKey(1), eval_data=(X[:16], y[:16]), eval_every=3)
+    history = full.fit(X, y, updates=11, **fit)
+    assert int(full.state.step) == full.updates == 11
+    assert history["eval_update"] == [3, 6, 9] and len(history["eval_loss"]) == 3
+    assert len(history["train_loss"]) == 1  # one whole epoch of 8 updates
+    part = _trainer(checkpoint_dir=tmp_path / "part", **kwargs)
+    part.fit(X, y, updates=4, **fit)
+    resumed = _trainer(checkpoint_dir=tmp_path / "part", **kwargs)
+    assert resumed.fit(X, y, updates=11, **fit) == history
+    assert tree_allclose(resumed.model, full.model, rtol=0, atol=0)
+    # The evaluation is the trained model's mean loss over its samples.
+    expected = float(jnp.mean(el.train.mse(full.model, X[:16], y[:16])))
+    assert abs(full.evaluate((X[:16], y[:16])) - expected) < 1e-5 * expected
+
+
+def test_checkpoints_on_time_keep_the_last_few(tmp_path):
+    X, y = _guide_data()
+    trainer = _trainer(checkpoint_dir=tmp_path, checkpoint_seconds=1e-9, keep_checkpoints=3)
+    trainer.fit(X, y, epochs=1, micro_batch=16, key=jr.PRNGKey(1))
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert names == ["checkpoint-000000002.ckpt", "checkpoint-000000003.ckpt", "checkpoint.ckpt"]
+    for name, updates in zip(names, (2, 3, 4), strict=True):
+        state, meta = el.train.load_checkpoint(tmp_path / name, trainer.state)
+        assert meta["updates"] == updates == int(state.step)
+    # One call loads the model for inference, from a model of the same shape.
+    fresh = el.nn.mlp([2, 4, 1], key=jr.PRNGKey(5))
+    loaded = el.train.load_model(tmp_path / el.train.CHECKPOINT_NAME, fresh)
+    assert tree_allclose(loaded, trainer.model, rtol=0, atol=0)
+
+
+def test_log_lines_when_stderr_is_not_a_terminal(capsys):
+    X, y = _guide_data()
+    trainer = _trainer(progress=True, log_seconds=1e-9)  # stderr is captured: not a terminal
+    trainer.fit(X, y, epochs=2, micro_batch=16, key=jr.PRNGKey(1))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 8, lines  # one per update
+    # The rate is measured from the first update on (which includes compiling).
+    assert re.fullmatch(r"update 1/8  epoch 1  loss \d+\.\d{4}  - updates/s", lines[0])
+    pattern = r"update (\d)/8  epoch [12]  loss \d+\.\d{4}  [\d.e+]+ updates/s  ETA \d+s"
+    for n, line in enumerate(lines[1:], start=2):
+        match = re.fullmatch(pattern, line)
+        assert match and int(match.group(1)) == n, line
+
+
+def test_a_rerun_with_other_settings_is_refused_in_one_line(tmp_path):
+    X, y = _guide_data()
+    _trainer(checkpoint_dir=tmp_path, optimizer=optax.adam(1e-3)).fit(
+        X, y, epochs=1, micro_batch=8, key=jr.PRNGKey(1)
+    )
+    fit = dict(epochs=2, micro_batch=8, key=jr.PRNGKey(1))
+    with pytest.raises(ValueError, match=r"different optimizer .*-0\.001 then, -0\.003 now") as e:
+        _trainer(checkpoint_dir=tmp_path, optimizer=optax.adam(3e-3)).fit(X, y, **fit)
+    assert "\n" not in str(e.value) and "new checkpoint_dir" in str(e.value)
+    with pytest.raises(ValueError, match="different micro_batch .*8 then, 16 now"):
+        _trainer(checkpoint_dir=tmp_path, optimizer=optax.adam(1e-3)).fit(
+            X, y, epochs=2, micro_batch=16, key=jr.PRNGKey(1)
+        )
+    with pytest.raises(ValueError, match="different accumulate"):
+        _trainer(checkpoint_dir=tmp_path, optimizer=optax.adam(1e-3), accumulate=2).fit(X, y, **fit)
+    with pytest.raises(ValueError, match="different config"):
+        _trainer(checkpoint_dir=tmp_path, optimizer=optax.adam(1e-3), config={"d": 2}).fit(
+            X, y, **fit
+        )
+    # The same settings resume.
+    same = _trainer(checkpoint_dir=tmp_path, optimizer=optax.adam(1e-3))
+    assert len(same.fit(X, y, **fit)["train_loss"]) == 2
+
+
+def _no_key_model(x):
+    return x[:1]
+
+
+@pytest.mark.parametrize(
+    "make, call, error, match",
+    [
+        (dict(checkpoint_dir="FILE"), None, ValueError, "is a file"),
+        # (jaxtyping and beartype, on in the tests, see some first: their errors also name
+        # the argument, the value and what was expected.)
+        ({}, dict(key=0), TypeError, "key must be a PRNG key|parameter 'key'"),
+        ({}, dict(micro_batch=True), ValueError, "micro_batch must be an int"),
+        ({}, dict(micro_batch=2.5), (TypeError, ValueError), "micro_batch must be|'micro_batch'"),
+        ({}, dict(epochs=None), ValueError, "needs epochs=... or updates="),
+        ({}, dict(eval_every=2), ValueError, "eval_every needs eval_data"),
+        (dict(keep_checkpoints=0), None, ValueError, "keep_checkpoints must be"),
+        (dict(max_consecutive_skips=True), None, ValueError, "max_consecutive_skips must be"),
+        (dict(checkpoint_seconds=-1), None, ValueError, "checkpoint_seconds must be"),
+        (dict(progress="yes"), None, (TypeError, ValueError), "progress must be|'progress'"),
+        (dict(config={"f": object()}), None, ValueError, "JSON-serialisable"),
+        # The loss passes a key to the model, which takes none: found before the first step.
+        (dict(model=_no_key_model), {}, ValueError, "cannot be applied"),
+    ],
+)
+def test_more_bad_input_fails_before_any_work(tmp_path, make, call, error, match):
+    X, y = _guide_data()
+    if make.get("checkpoint_dir") == "FILE":
+        (tmp_path / "file").write_text("")
+        make = dict(checkpoint_dir=tmp_path / "file")
+    with pytest.raises(error, match=match):
+        trainer = _trainer(**make)
+        kwargs = dict(epochs=1, micro_batch=8, key=jr.PRNGKey(0)) | (call or {})
+        trainer.fit(X, y, **kwargs)
+    assert not list(tmp_path.glob("**/*.ckpt"))
+
+
+def test_empty_and_exhausted_streams_are_errors_not_a_zero_loss():
+    X, y = _guide_data()
+    with pytest.raises(ValueError, match="no batches"):  # the stream or the Trainer says so
+        empty = el.data.DataStream((np.asarray(X[:3]), np.asarray(y[:3])), 4, drop_last=True)
+        _trainer().fit(epochs=1, key=jr.PRNGKey(0), stream=empty)
+    with pytest.raises(ValueError, match="no batches|no samples|empty"):
+        _trainer().fit(epochs=1, key=jr.PRNGKey(0), stream=el.data.DataStream(lambda: iter(()), 4))
+    samples = [(np.asarray(a), np.asarray(b)) for a, b in zip(X[:8], y[:8], strict=True)]
+    exhausted = iter(())
+    calls = []
+
+    def source():  # fresh for the up-front check and epoch 1, then an exhausted generator
+        calls.append(1)
+        return iter(samples) if len(calls) <= 2 else exhausted
+
+    once = el.data.DataStream(source, 4)
+    trainer = _trainer()
+    with pytest.raises(ValueError, match="no batches|exhausted|no samples"):
+        trainer.fit(epochs=2, key=jr.PRNGKey(0), stream=once)
+    assert len(trainer.history["train_loss"]) == 1 and trainer.history["train_loss"][0] > 0
+
+
+def _prefetch_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("eqx_lowmem.data.prefetch")]
+
+
+def test_consecutive_skipped_updates_stop_with_a_clear_error_and_no_thread_left():
+    X, y = _guide_data()
+    trainer = _trainer(precision="mixed_fp16", max_consecutive_skips=3)
+    assert trainer.step_fn.loss_scale is not None
+    with pytest.raises(FloatingPointError, match="3 updates in a row were skipped"):
+        # Finite in float32 (the data check passes), inf in float16: every update overflows.
+        trainer.fit(X, y * 1e6, epochs=1, micro_batch=8, key=jr.PRNGKey(0))
+    assert int(trainer.state.step) == 0  # every update was skipped
+    assert not _prefetch_threads()
+
+
+def test_a_nonfinite_loss_leaves_the_last_good_state_and_no_thread(tmp_path):
+    X, y = _guide_data()
+    y = y.at[40].set(jnp.inf)  # the third update (batches of 16)
+    trainer = _trainer(checkpoint_dir=tmp_path, checkpoint_every=1)
+    with pytest.raises(FloatingPointError, match="last good state"):
+        trainer.fit(X, y, epochs=1, micro_batch=16, key=jr.PRNGKey(1), shuffle=False)
+    assert not _prefetch_threads()
+    saved, meta = el.train.load_checkpoint(tmp_path / "checkpoint.ckpt", trainer.state)
+    assert int(trainer.state.step) == int(saved.step) == 2 and meta["updates"] == 2
+    assert tree_allclose(trainer.state.model, saved.model, rtol=0, atol=0)
+    assert tree_allclose(trainer.state.opt_state, saved.opt_state, rtol=0, atol=0)
+
+
+class _Normed(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+
+    def __init__(self, *, key):
+        self.linear = eqx.nn.Linear(2, 3, key=key)
+        self.norm = eqx.nn.BatchNorm(3, axis_name="batch", mode="batch")
+
+
+def _normed_loss(model, state, x, y):
+    def one(x, state):
+        h, state = model.norm(model.linear(x), state)
+        return jnp.sum(h, keepdims=True), state
+
+    pred, state = jax.vmap(one, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+    return jnp.mean((pred - y) ** 2, axis=-1), state
+
+
+def test_a_stateful_models_short_last_update_gets_only_real_samples():
+    # 30 samples, micro-batches of 8, accumulate 4: one update of 8/8/8/6 real samples.
+    X, y = _guide_data()
+    X, y = X[:30], y[:30]
+    model, model_state = eqx.nn.make_with_state(_Normed)(key=jr.PRNGKey(0))
+    trainer = el.train.Trainer(
+        model,
+        _normed_loss,
+        optax.sgd(0.1),
+        accumulate=4,
+        model_state=model_state,
+        progress=False,
+    )
+    trainer.fit(X, y, epochs=1, micro_batch=8, key=jr.PRNGKey(1), shuffle=False)
+    step = el.train.make_step(_normed_loss, optax.sgd(0.1), accumulate=4, has_state=True)
+    state = step.init(model, key=jr.split(jr.PRNGKey(1))[1], model_state=model_state)
+    state, _ = step(state, (X, y))
+    assert tree_allclose(trainer.state.model, state.model, rtol=1e-6, atol=1e-7)
+    assert tree_allclose(trainer.state.model_state, state.model_state, rtol=1e-6, atol=1e-7)
+
+
+def test_the_callback_gets_the_update_within_the_epoch_and_of_the_run():
+    X, y = _guide_data()
+    seen = []
+    trainer = _trainer(callback=lambda t, m: seen.append((m["epoch"], m["update"], m["updates"])))
+    trainer.fit(X, y, epochs=2, micro_batch=32, key=jr.PRNGKey(1))
+    assert seen == [(0, 1, 1), (0, 2, 2), (1, 1, 3), (1, 2, 4)]

@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 from ..data import DataStream
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy
-from . import _losses
 from ._checkpoint import (
     CHECKPOINT_NAME,
     clean_stale_temporaries,
@@ -39,6 +38,7 @@ from ._checkpoint import (
     save_checkpoint,
 )
 from ._loss import call_loss
+from ._losses import check_batch
 from ._step import TrainState, make_step
 
 _STREAM_AND_ARRAYS = """\
@@ -173,11 +173,11 @@ class Trainer:
         after_update: Callable[..., Any] | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
-        checkpoint_seconds: float | None = 300.0,
+        checkpoint_seconds: float | int | None = 300.0,
         keep_checkpoints: int = 3,
         max_consecutive_skips: int = 25,
         progress: bool | Literal["bar", "log"] = True,
-        log_seconds: float = 30.0,
+        log_seconds: float | int = 30.0,
         interrupt: Literal["exit", "raise"] = "exit",
         config: dict[str, Any] | None = None,
         check_resume: bool = True,
@@ -789,9 +789,7 @@ class Trainer:
             )
         state = self.state
         assert state is not None
-        check_batch = getattr(_losses, "check_batch", None)  # contract 9 (host-side data)
-        if check_batch is not None:
-            check_batch(self.loss, state.model, tuple(first))
+        check_batch(self.loss, state.model, tuple(first))  # bad data, on the host
         policy = self.step_fn.policy
 
         def trace(model, model_state, batch, key):
@@ -912,7 +910,7 @@ def _duration(seconds: float) -> str:
 def _changed(path: Path, name: str, before: Any, now: Any) -> str:
     what = {
         "optimizer": "optimizer (a learning rate, schedule or other hyperparameter)",
-        "micro_batch": "the micro-batch (stream batch size)",
+        "micro_batch": "micro_batch (the stream's batch size)",
         "config": "config",
     }.get(name, name)
     if name == "optimizer" and isinstance(before, list) and isinstance(now, list):
