@@ -41,9 +41,16 @@ GradFn = Callable[[Any, Any, tuple, Array, PRNGKeyArray, Array], Sums]
 
 
 def loss_grad(
-    loss_fn: Callable[..., Any], static: Any, policy: Policy, *, pass_key: bool = True
+    loss_fn: Callable[..., Any],
+    static: Any,
+    policy: Policy,
+    *,
+    prepare: Callable[[Any], Any] | None = None,
 ) -> GradFn:
     """The gradient function of `loss_fn` for a model split as `eqx.combine(params, static)`.
+
+    `prepare(model)`, when given, runs inside the differentiated function before the loss
+    (FSDP all-gathers shards there, so their gradients come back reduce-scattered).
 
     The returned `fn(params, model_state, batch, weights, key, scale)` differentiates
     `scale * sum / count` (`count` = the number of loss values, known from shapes): a
@@ -53,14 +60,11 @@ def loss_grad(
 
     def fn(params, model_state, batch, weights, key, scale) -> Sums:
         def objective(params):
+            model = eqx.combine(params, static)
+            if prepare is not None:
+                model = prepare(model)
             out = call_loss(
-                loss_fn,
-                eqx.combine(params, static),
-                batch,
-                weights,
-                model_state=model_state,
-                key=key if pass_key else None,
-                policy=policy,
+                loss_fn, model, batch, weights, model_state=model_state, key=key, policy=policy
             )
             total = jnp.sum(out.values * out.weights)
             count = out.values.size

@@ -11,14 +11,26 @@ transpose of an all-gather is a reduce-scatter: gradients arrive summed and shar
 """
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..nn._layers import is_stack
+
+
+def is_arraylike(x: Any) -> bool:
+    """An array, or a `jax.ShapeDtypeStruct` stand-in for one (compile-only analysis)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
+def is_inexact_like(x: Any) -> bool:
+    """A floating (trainable) array or stand-in."""
+    return is_arraylike(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def shard_dim(shape: tuple[int, ...], n: int, first: int = 0) -> int | None:
@@ -60,7 +72,7 @@ def fsdp_layout(model: Any, n: int, axis: str) -> FsdpLayout:
     replicated: list[str] = []
 
     def stack_specs(stack):
-        arrays = eqx.filter(stack, eqx.is_array)
+        arrays = eqx.filter(stack, is_arraylike)
         dims = [shard_dim(np.shape(x), n, first=1) for x in jax.tree.leaves(arrays)]
         spec = tuple(None if d is None else d - 1 for d in dims)
         return _with_layer_spec(stack, spec)
@@ -68,18 +80,16 @@ def fsdp_layout(model: Any, n: int, axis: str) -> FsdpLayout:
     model = jax.tree.map(lambda x: stack_specs(x) if is_stack(x) else x, model, is_leaf=is_stack)
 
     def leaf_spec(path, x, first):
-        if not eqx.is_array(x):
+        if not is_arraylike(x):
             return None
         d = shard_dim(np.shape(x), n, first)
-        if d is None and np.size(x) > 1:
+        if d is None and math.prod(np.shape(x)) > 1:
             replicated.append(f"{jax.tree_util.keystr(path)} {tuple(np.shape(x))}")
         return _spec(np.ndim(x), d, axis)
 
     def node_specs(path, x):
         if is_stack(x):
-            return jax.tree_util.tree_map_with_path(
-                lambda p, y: leaf_spec(path + p, y, 1), x
-            )
+            return jax.tree_util.tree_map_with_path(lambda p, y: leaf_spec(path + p, y, 1), x)
         return leaf_spec(path, x, 0)
 
     specs = jax.tree_util.tree_map_with_path(node_specs, model, is_leaf=is_stack)
@@ -90,12 +100,12 @@ def specs_like(tree: Any, n: int, axis: str) -> Any:
     """A `PartitionSpec` per array leaf of any tree (optimizer state): the same rule as the
     parameters outside stacks, so each moment of a plain leaf lands where its parameter is."""
     return jax.tree.map(
-        lambda x: _spec(np.ndim(x), shard_dim(np.shape(x), n), axis) if eqx.is_array(x) else None,
+        lambda x: _spec(np.ndim(x), shard_dim(np.shape(x), n), axis) if is_arraylike(x) else None,
         tree,
     )
 
 
-def gather_leaves(arrays: Any, specs: Any, axis: str) -> Any:
+def gather_leaves(tree: Any, specs: Any, axis: str) -> Any:
     """Inside `shard_map`: all-gather every sharded leaf outside stacks to its whole shape."""
 
     def gather(x, spec):
@@ -109,7 +119,7 @@ def gather_leaves(arrays: Any, specs: Any, axis: str) -> Any:
             return x  # gathered per layer by `gather_layer`
         return gather(x, spec)
 
-    return jax.tree.map(node, arrays, specs, is_leaf=lambda x: x is None or is_stack(x))
+    return jax.tree.map(node, tree, specs, is_leaf=lambda x: x is None or is_stack(x))
 
 
 def gather_layer(axis: str):

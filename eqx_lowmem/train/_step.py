@@ -26,7 +26,7 @@ from ..precision._optim import half_state
 from ..precision._policy import Policy, get_policy
 from ._accumulate import Sums, accumulate, loss_grad
 from ._loss import accepts_key
-from ._shard import fsdp_layout, gather_layer, gather_leaves, specs_like
+from ._shard import fsdp_layout, gather_layer, gather_leaves, is_inexact_like, specs_like
 from ._update import (
     UpdateInfo,
     apply_updates,
@@ -335,7 +335,7 @@ class Step:
         """Optimizer-state specs: a subtree shaped like the parameters (Adam's moments) gets
         the parameters' specs; any other array the plain rule."""
         c = self.config
-        params = eqx.filter(state.model, eqx.is_inexact_array)
+        params = eqx.filter(state.model, is_inexact_like)
         param_specs = jax.tree.map(
             lambda p, s: s if p is not None else None, params, model_specs,
             is_leaf=lambda x: x is None,
@@ -501,11 +501,17 @@ class Step:
 
         def local(arrays, model_state, batch, w, key, scale):
             key = jr.fold_in(key, jax.lax.axis_index(axis))
-            if c.shard == "fsdp":
-                arrays = gather_leaves(arrays, specs, axis)
             params, others = eqx.partition(arrays, eqx.is_inexact_array)
             static = eqx.combine(others, skeleton)
-            grad_fn = accumulate(loss_grad(c.loss_fn, static, c.policy), c.accumulate)
+            prepare = None
+            if c.shard == "fsdp":
+
+                def prepare(model):
+                    return gather_leaves(model, specs, axis)
+
+            grad_fn = accumulate(
+                loss_grad(c.loss_fn, static, c.policy, prepare=prepare), c.accumulate
+            )
             with layer_hook(gather_layer(axis) if c.shard == "fsdp" else None):
                 sums = grad_fn(params, model_state, batch, w, key, scale)
             # Sharded leaves arrive reduce-scattered (the transpose of their all-gather);
