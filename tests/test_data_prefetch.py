@@ -110,3 +110,58 @@ def test_stream_state_counts_the_batches_consumed_not_those_read_ahead():
     got += [np.asarray(x).tolist() for (x,) in resumed.prefetch()]
     assert got == reference
     assert not prefetch_threads()
+
+
+# ----------------------------------------------------------------------------- every exit
+
+
+def _wait_for_no_threads():
+    deadline = time.monotonic() + 5
+    while prefetch_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not prefetch_threads()
+
+
+def _fit_like(batches, fail_at, error):
+    """A training loop that fails at a batch and lets the error escape (its traceback
+    then holds this frame, and with it the iterator)."""
+    with batches:
+        for i, _ in enumerate(batches):
+            if i == fail_at:
+                raise error
+
+
+@pytest.mark.parametrize("error", [FloatingPointError("nan"), KeyboardInterrupt()])
+@pytest.mark.parametrize("make", ["stream", "prefetch"])
+def test_the_thread_is_joined_on_every_way_out(error, make):
+    stream = DataStream((np.arange(200),), 4)
+    batches = stream.prefetch(depth=2) if make == "stream" else prefetch(stream, depth=2)
+    with pytest.raises(type(error)) as info:
+        _fit_like(batches, 3, error)
+    assert info.traceback  # still held: the `with` block, not garbage collection, joined it
+    assert not prefetch_threads()
+    with pytest.raises(StopIteration):
+        next(batches)
+
+
+def test_an_interrupt_in_the_source_reaches_the_consumer_and_the_thread_ends():
+    def interrupted():
+        yield np.zeros(2)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        with prefetch(interrupted()) as batches:
+            for _ in batches:
+                pass
+    assert not prefetch_threads()
+
+
+def test_close_and_exhaustion_join_the_thread():
+    stream = DataStream((np.arange(40),), 4)
+    batches = stream.prefetch()
+    next(batches)
+    batches.close()
+    assert not prefetch_threads()
+    with stream.prefetch() as batches:
+        assert len(list(batches)) == 9  # the rest of the epoch
+    assert _wait_for_no_threads()

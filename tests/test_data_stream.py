@@ -1,11 +1,12 @@
 """DataStream: sources, batches, resuming, several processes, and errors on bad input."""
 
 import json
+import os
 
 import jax.random as jr
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from eqx_lowmem.data import DataStream
 
@@ -67,7 +68,11 @@ def test_drop_last():
     assert len(stream) == stream.num_batches == 2
     assert len(DataStream((np.arange(10),), 4)) == 3
     assert ids(DataStream(counting(10), 4, drop_last=True)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert ids(DataStream(counting(3), 4, drop_last=True)) == []
+    # No batch at all is an error, not an epoch with a loss of 0.0.
+    with pytest.raises(ValueError, match="drop_last=True with 3 samples and batch_size=4"):
+        DataStream((np.arange(3),), 4, drop_last=True)
+    with pytest.raises(ValueError, match="no batches in epoch 1 .3 samples, fewer than"):
+        list(DataStream(counting(3), 4, drop_last=True))
 
 
 # ----------------------------------------------------------------------------- sources
@@ -123,7 +128,8 @@ def test_iterator_source_of_unknown_length():
     batches = list(stream)
     assert ids(batches) == [[0, 1, 2], [3, 4, 5], [6]]
     assert [b[1].tolist() for b in batches] == [[0, 10, 20], [30, 40, 50], [60]]
-    assert list(DataStream(lambda: iter([]), 3)) == []
+    with pytest.raises(ValueError, match=r"source\(\) gave no batches in epoch 1 \(0 samples\)"):
+        list(DataStream(lambda: iter([]), 3))
 
 
 def test_scalar_and_array_samples_from_an_iterator():
@@ -222,6 +228,7 @@ def test_resume_equals_the_uninterrupted_stream(
 ):
     if kind == "iterator" and mode == "global":
         mode = "bounded"
+    assume(not (drop_last and n < batch_size))  # no batches: an error (tested apart)
     kwargs = {
         "in_order": {},
         "global": {"key": key},
@@ -331,9 +338,10 @@ def test_a_superseded_iterator_raises():
 )
 def test_processes_split_each_global_batch(kind, n, local_batch, processes, buffer, drop_last):
     batch_size = local_batch * processes
+    assume(not (drop_last and n < batch_size))  # no batches: an error (tested apart)
     key = None if buffer is None and kind == "iterator" else 3
     make = lambda **p: DataStream(  # noqa: E731
-        make_source(kind, n), batch_size, buffer, key, drop_last=drop_last, **p
+        make_source(kind, n), batch_size, buffer, key=key, drop_last=drop_last, **p
     )
     single = list(make(process_index=0, process_count=1))
     parts = [list(make(process_index=p, process_count=processes)) for p in range(processes)]
@@ -396,7 +404,7 @@ def test_errors_name_the_source_index(tmp_path):
     with pytest.raises(ValueError, match=r"source\[0\] = .*z.npy' is not a .npy file"):
         DataStream((tmp_path / "z.npy",), 2)
     np.save(tmp_path / "objects.npy", np.array([{}, None], dtype=object), allow_pickle=True)
-    with pytest.raises(ValueError, match=r"source\[0\] = .*objects.npy' cannot be memory-mapped"):
+    with pytest.raises(ValueError, match=r"source\[0\] = .*objects.npy' holds Python objects"):
         DataStream((tmp_path / "objects.npy",), 2)
 
 
@@ -434,3 +442,116 @@ def test_errors_name_the_sample_of_an_iterator():
 
     with pytest.raises(ValueError, match=r"sample 0 from source\(\), field 0, has dtype object"):
         list(DataStream(objects, 2))
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+
+def test_key_is_keyword_only():
+    with pytest.raises(TypeError, match="positional"):
+        DataStream((np.arange(6),), 2, 4, 0)  # type: ignore[misc]
+    assert len(DataStream((np.arange(6),), 2, 4, key=0)) == 3
+
+
+def test_sizes_keys_and_states_of_the_wrong_type_are_refused():
+    x = (np.arange(6),)
+    # Our TypeError, or the tests' runtime type checker first; both name the argument.
+    for kwargs, name in [
+        ({"batch_size": True}, "batch_size"),
+        ({"batch_size": 2.5}, "batch_size"),
+        ({"batch_size": "4"}, "batch_size"),
+        ({"batch_size": 2, "shuffle_buffer": 2.5, "key": 0}, "shuffle_buffer"),
+        ({"batch_size": 2, "shuffle_buffer": True, "key": 0}, "shuffle_buffer"),
+        ({"batch_size": 2, "shuffle_buffer": 4, "key": True}, "key"),
+        ({"batch_size": 2, "drop_last": "yes"}, "drop_last"),
+    ]:
+        with pytest.raises(TypeError, match=name):
+            DataStream(x, **kwargs)
+    stream = DataStream(x, 2)
+    with pytest.raises(TypeError, match="state"):
+        stream.set_state(None)  # type: ignore[arg-type]
+    # Without the tests' type checker (as users run it): our message.
+    unchecked = getattr(DataStream.set_state, "__wrapped__", DataStream.set_state)
+    with pytest.raises(TypeError, match=r"set_state\(state\) takes the dict .* got NoneType"):
+        unchecked(stream, None)
+    state = stream.state()
+    with pytest.raises(ValueError, match="batch=True"):
+        stream.set_state({**state, "batch": True})
+
+
+def test_non_numeric_dtypes_are_refused_when_the_stream_is_built(tmp_path):
+    cases = [
+        (np.array(["a", "b"]), "is not numeric"),
+        (np.array([b"a", b"b"]), "is not numeric"),
+        (np.zeros(2, [("x", np.float32), ("y", np.int32)]), "structured"),
+        (np.array(["2024-01-01", "2024-01-02"], dtype="datetime64[D]"), "is not numeric"),
+    ]
+    for array, what in cases:
+        with pytest.raises(ValueError, match=rf"source\[1\] has dtype .*{what}"):
+            DataStream((np.arange(2), array), 2)
+        np.save(tmp_path / "a.npy", array)
+        with pytest.raises(ValueError, match=rf"source\[0\] = .*a.npy' has dtype .*{what}"):
+            DataStream((tmp_path / "a.npy",), 2)
+    stream = DataStream(lambda: iter([(np.zeros(2), np.str_("cat"))]), 1)
+    with pytest.raises(ValueError, match=r"sample 0 from source\(\), field 1, has dtype <U3"):
+        list(stream)
+    # Booleans and 16-bit floats are numbers a device holds.
+    import ml_dtypes
+
+    DataStream((np.zeros(2, bool), np.zeros(2, ml_dtypes.bfloat16)), 2)
+
+
+def test_a_truncated_or_corrupt_npy_is_reported_as_such(tmp_path):
+    path = tmp_path / "x.npy"
+    np.save(path, np.arange(100, dtype=np.float32).reshape(25, 4))
+    good = path.read_bytes()
+    path.write_bytes(good[:-5])
+    with pytest.raises(ValueError, match=r"x.npy' is truncated: .*shape \(25, 4\).*has 523 bytes"):
+        DataStream((path,), 5)
+    path.write_bytes(good + b"\0" * 8)
+    with pytest.raises(ValueError, match=r"x.npy' is corrupt"):
+        DataStream((path,), 5)
+    path.write_bytes(good[:30])  # inside the header
+    with pytest.raises(ValueError, match=r"x.npy' has a corrupt or truncated .npy header"):
+        DataStream((path,), 5)
+    path.write_bytes(good.replace(b"'descr'", b"'dexcr'"))
+    with pytest.raises(ValueError, match=r"corrupt or truncated .npy header"):
+        DataStream((path,), 5)
+
+
+@pytest.mark.parametrize("change", ["truncate", "rewrite", "replace"])
+@pytest.mark.parametrize("prefetched", [False, True])
+def test_a_memory_mapped_file_changed_mid_epoch_is_an_error_not_sigbus(
+    tmp_path, change, prefetched
+):
+    path = tmp_path / "x.npy"
+    x = np.arange(4096 * 64, dtype=np.float32).reshape(4096, 64)  # 1 MiB, 256 B a row
+    np.save(path, x)
+    stream = DataStream((path,), 64, key=0)  # batches of 16 KiB: read 8 at a time
+    batches = stream.prefetch(depth=1) if prefetched else iter(stream)
+    with pytest.raises(RuntimeError, match=r"source\[0\] = .*x.npy' changed while") as info:
+        for i, _ in enumerate(batches):
+            if i == 1:
+                if change == "truncate":
+                    os.truncate(path, 4096)  # reading the lost pages would be SIGBUS
+                elif change == "rewrite":
+                    np.save(path, x + 1)  # in place: same size, new content
+                else:
+                    np.save(tmp_path / "y.npy", x)
+                    os.replace(tmp_path / "y.npy", path)
+    assert "Do not write the data files during training" in str(info.value)
+    if prefetched:
+        batches.close()
+
+
+def test_an_iterator_source_must_give_a_fresh_iterator_each_epoch():
+    generator = counting(4)()
+    stream = DataStream(lambda: generator, 2)
+    assert ids(stream) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="same iterator in epoch 2.*generator function"):
+        list(stream)
+    lengths = iter([4, 0])
+    stream = DataStream(lambda: counting(next(lengths))(), 2)
+    assert ids(stream) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match=r"no batches in epoch 2 \(0 samples\)"):
+        list(stream)

@@ -80,9 +80,34 @@ def run_ahead(items: Iterable[T], put: Callable[[T], U], depth: int) -> Generato
         thread.join()
 
 
+class Batches(Iterator[Any]):
+    """An iterator of prefetched batches that is also a context manager: leaving
+    `with ... as batches:` by any path closes it, which stops the background thread and
+    waits for it (`close()` does the same)."""
+
+    def __init__(self, generator: Generator[Any, None, None]):
+        self._generator = generator
+
+    def __iter__(self) -> "Batches":
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._generator)
+
+    def close(self) -> None:
+        """Stop the background thread and wait for it; the iterator is then exhausted."""
+        self._generator.close()
+
+    def __enter__(self) -> "Batches":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 def prefetch(
     batches: Iterable[Any], *, depth: int = 2, sharding: jax.sharding.Sharding | None = None
-) -> Iterator[Any]:
+) -> Batches:
     """Batches put on the device by a background thread, `depth` ahead of the consumer.
 
     `jax.device_put` starts the copy and returns, so the next batches are read and copied
@@ -98,9 +123,10 @@ def prefetch(
             with `jax.make_array_from_process_local_data`.
 
     Returns:
-        A generator of the batches as `jax.Array` pytrees, in order. An exception raised
-        while reading or placing a batch is raised here; stopping early (`break`) stops the
-        background thread.
+        An iterator of the batches as `jax.Array` pytrees, in order, and a context manager
+        (`with prefetch(...) as batches:`) that stops and joins the background thread on
+        every way out of the block. An exception raised while reading or placing a batch
+        is raised here.
 
     Raises:
         ValueError: if `depth < 1`.
@@ -113,4 +139,4 @@ def prefetch(
         [[0, 1, 2, 3], [4, 5]]
     """
     check_depth(depth)
-    return run_ahead(batches, lambda batch: to_device(batch, sharding), depth)
+    return Batches(run_ahead(batches, lambda batch: to_device(batch, sharding), depth))

@@ -38,7 +38,13 @@ def key_entropy(key: int | jax.Array | np.ndarray | None) -> list[int] | None:
     """
     if key is None:
         return None
-    if isinstance(key, int):
+    if isinstance(key, (bool, np.bool_)):
+        raise TypeError(
+            f"key={key!r}; expected an int seed, jr.PRNGKey(seed) or jr.key(seed) "
+            "(True is not a seed)."
+        )
+    if isinstance(key, (int, np.integer)):
+        key = int(key)
         if key < 0:
             raise ValueError(f"key={key} is negative; pass a non-negative int seed or a jax key.")
         return [key]

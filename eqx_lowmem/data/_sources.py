@@ -3,8 +3,9 @@
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 SOURCE_KINDS = """\
@@ -16,49 +17,124 @@ source must be one of:
 """
 
 
-def _open_npy(path: Path, i: int) -> np.ndarray:
+def _numeric(dtype: np.dtype) -> bool:
+    """Numbers and booleans, what a device holds: not strings, objects, records, dates."""
+    if dtype.fields is not None or dtype.hasobject:
+        return False
+    try:
+        return bool(jnp.issubdtype(dtype, jnp.number) or dtype == np.dtype(bool))
+    except TypeError:
+        return False
+
+
+def _dtype_error(name: str, dtype: np.dtype) -> ValueError:
+    what = (
+        "holds Python objects"
+        if dtype.hasobject
+        else "is a structured (record) dtype"
+        if dtype.fields is not None
+        else "is not numeric"
+    )
+    return ValueError(
+        f"{name} has dtype {dtype}, which {what}; a stream serves numeric arrays (numbers "
+        "or booleans, what a device holds): convert it first, e.g. np.asarray(x, np.float32),"
+        " or one array per field of a record."
+    )
+
+
+class Watched(NamedTuple):
+    """A memory-mapped file and what it was when opened: a change means its pages are no
+    longer the data (or no longer exist: reading a truncated mapping is SIGBUS)."""
+
+    index: int
+    path: Path
+    size: int
+    mtime_ns: int
+    inode: int
+
+    def check(self) -> None:
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            raise RuntimeError(
+                f"source[{self.index}] = {str(self.path)!r} can no longer be read ({e}); "
+                "the stream memory-maps it: keep the file in place while the stream runs."
+            ) from None
+        if (st.st_size, st.st_mtime_ns, st.st_ino) != (self.size, self.mtime_ns, self.inode):
+            raise RuntimeError(
+                f"source[{self.index}] = {str(self.path)!r} changed while the stream was "
+                f"reading it (size {self.size} -> {st.st_size} bytes"
+                f"{', rewritten' if st.st_size == self.size else ''}); the stream "
+                "memory-maps it, so its batches would be torn or the process killed by "
+                "SIGBUS. Do not write the data files during training; write new files and "
+                "build a new stream."
+            )
+
+
+def _open_npy(path: Path, i: int) -> tuple[np.ndarray, Watched]:
     """A read-only memory map of a `.npy` file; reading it reads only the pages touched."""
     if not path.is_file():
         raise FileNotFoundError(
             f"source[{i}] = {str(path)!r} does not exist or is not a file; "
             "pass the path of a file written by np.save."
         )
+    name = f"source[{i}] = {str(path)!r}"
     with path.open("rb") as f:
+        st = os.fstat(f.fileno())
         magic = f.read(len(np.lib.format.MAGIC_PREFIX))
-    if path.suffix != ".npy" or magic != np.lib.format.MAGIC_PREFIX:
+        if path.suffix != ".npy" or magic != np.lib.format.MAGIC_PREFIX:
+            raise ValueError(
+                f"{name} is not a .npy file (expected the '.npy' suffix and content "
+                f"starting with {np.lib.format.MAGIC_PREFIX!r}, got suffix {path.suffix!r} "
+                f"and {magic!r}); save each array with np.save."
+            )
+        f.seek(0)
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        except (ValueError, SyntaxError, EOFError, OSError) as e:
+            raise ValueError(
+                f"{name} has a corrupt or truncated .npy header ({e}); write it again with np.save."
+            ) from None
+        offset = f.tell()
+    if dtype.hasobject:
         raise ValueError(
-            f"source[{i}] = {str(path)!r} is not a .npy file (expected the '.npy' suffix and "
-            f"content starting with {np.lib.format.MAGIC_PREFIX!r}, got suffix "
-            f"{path.suffix!r} and {magic!r}); save each array with np.save."
+            f"{name} holds Python objects (a pickled array, dtype {dtype}); a stream never "
+            "unpickles: save a numeric array instead."
         )
-    try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as e:
+    if not _numeric(dtype):
+        raise _dtype_error(name, dtype)
+    expected = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if st.st_size != expected:
         raise ValueError(
-            f"source[{i}] = {str(path)!r} cannot be memory-mapped: {e} Object (pickled) "
-            "arrays cannot be streamed; save a numeric array instead."
-        ) from e
+            f"{name} is {'truncated' if st.st_size < expected else 'corrupt'}: its header "
+            f"says shape {shape} of {dtype} ({expected} bytes with the header) but the file "
+            f"has {st.st_size} bytes; write it again with np.save."
+        )
+    array = np.load(path, mmap_mode="r", allow_pickle=False)
     # A plain ndarray over the same mapping: np.memmap's per-slice bookkeeping costs more
     # than copying a small batch, and the mapping stays alive through `.base`.
-    return array.view(np.ndarray)
+    watched = Watched(i, path, st.st_size, st.st_mtime_ns, st.st_ino)
+    return array.view(np.ndarray), watched
 
 
-def open_arrays(source: Sequence[Any]) -> list[np.ndarray]:
+def open_arrays(source: Sequence[Any]) -> tuple[list[np.ndarray], list[Watched]]:
     """Each element of `source` as an array (paths opened as memory maps), checked to have
-    a sample axis, a numeric dtype, and the same number of samples."""
+    a sample axis, a numeric dtype, and the same number of samples; and the files mapped."""
     if len(source) == 0:
         raise ValueError(f"source is an empty {type(source).__name__}.\n{SOURCE_KINDS}")
-    arrays = []
+    arrays, watched = [], []
     for i, item in enumerate(source):
         if isinstance(item, (str, os.PathLike)):
-            array = _open_npy(Path(item), i)
+            array, w = _open_npy(Path(item), i)
+            watched.append(w)
         else:
             array = np.asarray(item)
-        if array.dtype.hasobject:
-            raise ValueError(
-                f"source[{i}] has dtype {array.dtype}, which holds Python objects; "
-                "a stream serves numeric arrays: convert it, e.g. np.asarray(x, np.float32)."
-            )
+        if not _numeric(array.dtype):
+            raise _dtype_error(f"source[{i}]", array.dtype)
         if array.ndim == 0:
             raise ValueError(
                 f"source[{i}] is a scalar; each array needs a first axis of samples, "
@@ -72,7 +148,7 @@ def open_arrays(source: Sequence[Any]) -> list[np.ndarray]:
                 f"{arrays[0].shape[0]}; every array needs the same first dimension."
             )
         arrays.append(array)
-    return arrays
+    return arrays, watched
 
 
 class SampleReader:
@@ -104,11 +180,8 @@ class SampleReader:
         fields = tuple(np.asarray(v) for v in sample)
         if self.spec is None:
             for j, field in enumerate(fields):
-                if field.dtype.hasobject:
-                    raise ValueError(
-                        f"sample {i} from source(), field {j}, has dtype {field.dtype}, which "
-                        "holds Python objects; yield numeric arrays."
-                    )
+                if not _numeric(field.dtype):
+                    raise _dtype_error(f"sample {i} from source(), field {j},", field.dtype)
             self.spec = [(f.shape, f.dtype) for f in fields]
             return fields
         if len(fields) != len(self.spec):

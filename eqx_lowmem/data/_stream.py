@@ -1,5 +1,6 @@
 """`DataStream`: batches from arrays, `.npy` memory maps or an iterator, shuffled, resumable."""
 
+import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from itertools import chain, repeat
 from typing import Any
@@ -7,9 +8,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._prefetch import check_depth, run_ahead, to_device
+from ._prefetch import Batches, check_depth, run_ahead, to_device
 from ._shuffle import BlockOrder, GlobalOrder, Order, key_entropy, seed
-from ._sources import SOURCE_KINDS, SampleReader, open_arrays, row_gather
+from ._sources import SOURCE_KINDS, SampleReader, Watched, open_arrays, row_gather
 
 Batch = tuple[np.ndarray, ...]
 
@@ -24,6 +25,23 @@ _ORDER = ("key", "batch_size", "shuffle_buffer", "drop_last", "samples")
 # so were groups of batches of 128 KiB: the fresh arrays stop fitting in the L2 cache.
 _GROUP_BATCHES = 8
 _GROUP_BATCH_BYTES = 32 << 10
+
+
+def _is_int(x: Any) -> bool:
+    """An int that is not a bool (`True` is an int to Python, never a size here)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_int(name: str, value: Any, alternative: str = "") -> None:
+    if not _is_int(value):
+        raise TypeError(
+            f"{name}={value!r} ({type(value).__name__}); expected an int >= 1"
+            f"{', ' + alternative if alternative else ''}."
+        )
+    if value < 1:
+        raise ValueError(
+            f"{name}={value}; expected an int >= 1{', ' + alternative if alternative else ''}."
+        )
 
 
 class DataStream:
@@ -98,6 +116,16 @@ class DataStream:
     seek. The state does not depend on the number of processes, so a run may resume on a
     different number of them.
 
+    **Files that change.** A `.npy` file is memory-mapped: reading a page that a
+    truncation removed kills the process with SIGBUS, and a file rewritten in place serves
+    a mix of old and new data. Before each read (each group of batches) the stream checks
+    every mapped file's size, modification time and inode against those it opened, and
+    raises `RuntimeError` naming the file if any changed. What this cannot catch: a change
+    between the check and the read (microseconds), a change that keeps size, inode and
+    modification time (a clock set back, or `os.utime`), and changes on filesystems whose
+    modification times are coarse (a rewrite within the same second on some). Keep data
+    files unchanged while a stream runs.
+
     Args:
         source: arrays, `.npy` paths, or a function returning an iterator of samples, as
             above.
@@ -106,20 +134,24 @@ class DataStream:
         shuffle_buffer: `None` for no shuffle or (with a key) a global shuffle; an int for a
             bounded shuffle holding that many indices (arrays) or samples (iterators). More
             mixes better; see the table for memory and time.
-        key: an int seed, `jr.PRNGKey(seed)` or `jr.key(seed)`. Needed to shuffle; the same
-            key gives the same orders.
+        key: keyword-only: an int seed, `jr.PRNGKey(seed)` or `jr.key(seed)`. Needed to
+            shuffle; the same key gives the same orders.
         drop_last: drop the last batch of an epoch when it has fewer than `batch_size`
             samples, so every batch has the same shape (and the step compiles once).
         process_index: this process's index; default `jax.process_index()`.
         process_count: the number of processes; default `jax.process_count()`.
 
     Raises:
-        TypeError: if `source` is none of the three kinds.
+        TypeError: if `source` is none of the three kinds, or `batch_size`,
+            `shuffle_buffer` or `key` is not an int (`True` and `2.5` are not).
         ValueError: for `batch_size < 1`, `shuffle_buffer < 1`, a shuffle without a key, a
             global shuffle of an iterator, a `batch_size` not divisible by
-            `process_count`, arrays of different lengths, a non-`.npy` file, or an object
-            or pickled array. Samples of inconsistent shape or dtype from an iterator raise
-            when they are read, naming the sample.
+            `process_count`, arrays of different lengths, `drop_last` with fewer samples
+            than a batch, a non-`.npy`, truncated or corrupt file, or an array that is not
+            numeric (objects, pickled, strings, records). Samples of inconsistent shape or
+            dtype from an iterator raise when they are read, naming the sample; an
+            iterator source that gives no batch in an epoch (empty, or a used-up generator
+            returned again) raises when that epoch is iterated.
         FileNotFoundError: for a missing file.
 
     Example:
@@ -138,19 +170,19 @@ class DataStream:
         source: Sequence[Any] | Callable[[], Iterable[Any]],
         batch_size: int,
         shuffle_buffer: int | None = None,
-        key: int | jax.Array | np.ndarray | None = None,
         *,
+        key: int | jax.Array | np.ndarray | None = None,
         drop_last: bool = False,
         process_index: int | None = None,
         process_count: int | None = None,
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size}; expected at least 1.")
-        if shuffle_buffer is not None and shuffle_buffer < 1:
-            raise ValueError(
-                f"shuffle_buffer={shuffle_buffer}; expected at least 1, or None for no "
-                "shuffle (or, with a key, a global shuffle)."
-            )
+        _check_int("batch_size", batch_size)
+        if shuffle_buffer is not None:
+            _check_int("shuffle_buffer", shuffle_buffer, "or None for no shuffle")
+        if not isinstance(drop_last, (bool, np.bool_)):
+            raise TypeError(f"drop_last={drop_last!r}; expected True or False.")
+        batch_size = int(batch_size)
+        shuffle_buffer = None if shuffle_buffer is None else int(shuffle_buffer)
         if shuffle_buffer is not None and key is None:
             raise ValueError(
                 f"shuffle_buffer={shuffle_buffer} needs a key to shuffle with; pass key=0 "
@@ -169,9 +201,17 @@ class DataStream:
                 "batch_size is the global batch, split equally over the processes: use a "
                 f"multiple of {process_count}."
             )
+        self._watched: list[Watched] = []
         if isinstance(source, (tuple, list)):
-            self._arrays: list[np.ndarray] | None = open_arrays(source)
+            self._arrays: list[np.ndarray] | None
+            self._arrays, self._watched = open_arrays(source)
             self._factory: Callable[[], Iterable[Any]] | None = None
+            n = self._arrays[0].shape[0]
+            if drop_last and n < batch_size:
+                raise ValueError(
+                    f"drop_last=True with {n} samples and batch_size={batch_size} leaves no "
+                    f"batches; use a batch_size of at most {n} or drop_last=False."
+                )
         elif callable(source):
             if key is not None and shuffle_buffer is None:
                 raise ValueError(
@@ -194,6 +234,7 @@ class DataStream:
         self._epoch = 0
         self._batch = 0
         self._generation = 0  # which iteration may move the position
+        self._last_iterator: Any = None  # a weakref to what source() returned last
 
     # ----------------------------------------------------------------------------- sizes
 
@@ -251,6 +292,11 @@ class DataStream:
                 shuffle buffer, `drop_last` or number of samples, whose batches would
                 differ, or is not a position of this stream.
         """
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"set_state(state) takes the dict that stream.state() returned, got "
+                f"{type(state).__name__}: {state!r:.80}."
+            )
         missing = [f for f in _POSITION + _ORDER if f not in state]
         if missing:
             raise ValueError(f"state lacks {missing}; pass a dict returned by stream.state().")
@@ -265,8 +311,8 @@ class DataStream:
         epoch, batch = state["epoch"], state["batch"]
         num_batches = self.num_batches
         if (
-            not isinstance(epoch, int)
-            or not isinstance(batch, int)
+            not _is_int(epoch)
+            or not _is_int(batch)
             or epoch < 0
             or batch < 0
             or (num_batches is not None and batch > num_batches)
@@ -288,10 +334,16 @@ class DataStream:
 
     def prefetch(
         self, *, depth: int = 2, sharding: jax.sharding.Sharding | None = None
-    ) -> Iterator[tuple[jax.Array, ...]]:
+    ) -> "Batches":
         """Like `iter(stream)`, with each batch read and put on the device by a background
         thread `depth` batches ahead, so loading overlaps the step. `state()` counts the
         batches handed to the caller, not those read ahead.
+
+        Use it as `with stream.prefetch() as batches: for batch in batches: ...`: leaving
+        the block by any path (the end, `break`, an exception, Ctrl-C) stops the thread and
+        waits for it. Without `with`, the thread stops when the iterator is exhausted,
+        closed (`batches.close()`) or garbage-collected; a traceback that holds the
+        iterator (an exception caught further up) keeps it waiting until then.
 
         Args:
             depth: batches read and placed ahead. Memory: up to `depth` batches on the
@@ -301,7 +353,7 @@ class DataStream:
                 is assembled with `jax.make_array_from_process_local_data`.
         """
         check_depth(depth)
-        return self._serve((depth, sharding))
+        return Batches(self._serve((depth, sharding)))
 
     def _serve(self, prefetch: tuple[int, Any] | None) -> Iterator[Any]:
         self._generation += 1
@@ -338,6 +390,11 @@ class DataStream:
         assert self._factory is not None
         return self._iterator_batches(self._factory, epoch, start)
 
+    def _check_files(self) -> None:
+        """Refuse to read a memory-mapped file that changed since it was opened."""
+        for watched in self._watched:
+            watched.check()
+
     def _local(self, size: int) -> tuple[int, int]:
         """This process's slice of a global batch of `size` samples."""
         p, count = self.process_index, self.process_count
@@ -352,6 +409,7 @@ class DataStream:
 
         def group_batches(group: tuple[int, np.ndarray, bool]) -> Iterator[tuple[Batch, bool]]:
             count, indices, last = group
+            self._check_files()
             # One gather per field of the group's rows (ascending within each batch) into
             # fresh arrays; each batch is a slice of them. A batch is never written after.
             fields = [gather(indices) for gather in gathers]
@@ -373,6 +431,7 @@ class DataStream:
         num_batches = self.num_batches
         assert num_batches is not None
         for k in range(start, num_batches):
+            self._check_files()
             first = k * size
             lo, hi = self._local(min(size, n - first))
             batch = tuple([x[first + lo : first + hi].copy() for x in arrays])
@@ -413,7 +472,20 @@ class DataStream:
         self, factory: Callable[[], Iterable[Any]], epoch: int, start: int
     ) -> Generator[tuple[Batch, bool], None, None]:
         """Batches from `factory()`; the first `start` are read but not served."""
-        reader = SampleReader(factory)
+        iterator = factory()
+        last = None if self._last_iterator is None else self._last_iterator()
+        if iterator is last and iterator is not None:
+            raise ValueError(
+                f"source() returned the same iterator in epoch {epoch + 1} as before, which "
+                "is used up; source must be a function that returns a fresh iterator each "
+                "epoch, e.g. `lambda: iter(samples)` or a generator function (not a "
+                "generator)."
+            )
+        try:
+            self._last_iterator = weakref.ref(iterator)
+        except TypeError:  # not weakly referenceable: cannot be told apart, not checked
+            self._last_iterator = None
+        reader = SampleReader(lambda: iterator)
         size = self.batch_size
         if self.shuffle_buffer is None:
             draws: _InOrder | _ShuffleBuffer = _InOrder(reader)
@@ -437,6 +509,13 @@ class DataStream:
                     batch = tuple(x[lo:hi].copy() for x in batch)
                 yield batch, not complete(following_count)
             batch, count, k = following, following_count, k + 1
+        if k == 0:
+            raise ValueError(
+                f"source() gave no batches in epoch {epoch + 1} ({count} samples"
+                f"{f', fewer than batch_size={size} with drop_last' if count else ''}); "
+                "a stream must serve at least one batch per epoch. If source returns a "
+                "generator, it must return a new one each call (a generator function)."
+            )
         if k < start:
             raise ValueError(
                 f"the state says {start} batches of epoch {epoch} were served, but source() "
