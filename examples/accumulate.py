@@ -21,17 +21,17 @@ y = X[:, :1] - 2.0 * X[:, 1:] + 0.1 * jr.normal(noise_key, (64, 1))  # (64, 1)
 model = el.nn.mlp([2, 4, 1], key=model_key)
 
 
-def train(batch_size: int, accumulate: int):
-    # batch_size is the micro-batch: each update uses accumulate * batch_size samples.
+def train(micro_batch: int, accumulate: int):
+    # Each update uses accumulate x micro_batch samples; activations of micro_batch at a time.
     trainer = el.train.Trainer(
         model, el.train.mse, optax.sgd(0.05), accumulate=accumulate, progress=False
     )
-    history = trainer.fit(X, y, epochs=5, batch_size=batch_size, key=fit_key, shuffle=False)
+    history = trainer.fit(X, y, epochs=5, micro_batch=micro_batch, key=fit_key, shuffle=False)
     return history["train_loss"][-1], trainer.model
 
 
-whole_loss, whole = train(batch_size=32, accumulate=1)
-accumulated_loss, accumulated = train(batch_size=8, accumulate=4)
+whole_loss, whole = train(micro_batch=32, accumulate=1)
+accumulated_loss, accumulated = train(micro_batch=8, accumulate=4)
 print(f"batch 32:                      final loss {whole_loss:.6f}")
 print(f"batch 8, accumulate 4 (32):    final loss {accumulated_loss:.6f}")
 difference = max(

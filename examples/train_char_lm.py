@@ -2,12 +2,15 @@
 
 The text is on every machine that has Python, so nothing is downloaded. The script
 
-1. writes the text once as a `.npy` file of token windows (atomically),
+1. writes the text once as a `.npy` file of token windows (atomically, never over an
+   existing file),
 2. streams it from disk with `DataStream` (a bounded shuffle: only the batch being served
    is read),
 3. trains a causal transformer with recomputation (`remat`), micro-batch accumulation and
-   mixed bf16 through the `Trainer`, with a progress bar and checkpoints (run it again and
-   it resumes instead of starting over; pass a larger `--epochs` to train further),
+   mixed bf16 through the `Trainer`, with a progress bar (or a log line every 30 s when
+   the output is not a terminal) and checkpoints every 2 minutes and at every epoch's end;
+   Ctrl-C saves and stops, and running it again resumes instead of starting over (pass a
+   larger `--epochs` to train further),
 4. prints where the memory of a training step goes (before training, from compilation
    alone), the loss curve against the unigram entropy of the text, and a sample of
    generated text.
@@ -15,14 +18,13 @@ The text is on every machine that has Python, so nothing is downloaded. The scri
 The defaults run in a few minutes on 2 CPU cores. Scale it up on a GPU, for example:
 
     python examples/train_char_lm.py --layers 12 --d-model 512 --heads 8 --seq 256 \\
-        --batch 64 --accumulate 4 --max-chars 50000000 --epochs 3 --run-dir runs/big
+        --batch 256 --accumulate 4 --max-chars 50000000 --epochs 3 --run-dir runs/big
 """
 
 import argparse
 import math
 import os
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,18 +49,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--d-ff", type=int, default=None, help="default 4 * d_model")
-    p.add_argument("--batch", type=int, default=16, help="sequences per micro-batch")
+    p.add_argument("--batch", type=int, default=32, help="sequences per update (the whole batch)")
     p.add_argument("--accumulate", type=int, default=2, help="micro-batches per update")
     p.add_argument("--remat", default="full", choices=["none", "full", "dots", "minimal"])
     p.add_argument("--precision", default="mixed_bf16", choices=sorted(el.precision.PRESETS))
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--shuffle-buffer", type=int, default=1024)
-    p.add_argument("--checkpoint-every", type=int, default=50, help="updates")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="updates (also on time)")
+    p.add_argument("--checkpoint-seconds", type=float, default=120.0)
     p.add_argument("--sample-chars", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.batch % args.accumulate:
+        p.error(f"--batch {args.batch} is not divisible by --accumulate {args.accumulate}")
+    return args
 
 
 # ------------------------------------------------------------------------------ the corpus
@@ -86,14 +92,21 @@ def stdlib_text(max_chars: int) -> bytes:
 
 def write_windows(path: Path, text: bytes, seq: int) -> None:
     """Split the text into windows of seq + 1 tokens (inputs and shifted targets) and save
-    them as one `.npy`, written to a temporary file and renamed."""
+    them as one `.npy`."""
     tokens = np.frombuffer(text, np.uint8)
     n = len(tokens) // (seq + 1)
-    windows = tokens[: n * (seq + 1)].reshape(n, seq + 1)
+    save_new(path, tokens[: n * (seq + 1)].reshape(n, seq + 1))
+
+
+def save_new(path: Path, array: np.ndarray) -> None:
+    """Save `array` as `path` unless that file exists: written beside it and renamed, so a
+    run killed while writing leaves no torn file (open() honours the umask)."""
+    if path.exists():
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npy.tmp")
-    with os.fdopen(fd, "wb") as f:
-        np.save(f, windows, allow_pickle=False)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    with open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
     os.replace(tmp, path)
 
 
@@ -163,10 +176,11 @@ def main() -> None:
         write_windows(data, stdlib_text(args.max_chars), args.seq)
         print(f"wrote {data} in {time.perf_counter() - t0:.1f}s")
     windows = np.load(data, mmap_mode="r", allow_pickle=False)
-    n_eval = max(args.batch, len(windows) // 20)  # the last 5% for evaluation
+    micro = args.batch // args.accumulate
+    n_eval = max(micro, len(windows) // 20)  # the last 5% for evaluation
     train_path = run / f"train_{data.stem}.npy"
     if not train_path.exists():
-        write_windows_array(train_path, np.asarray(windows[:-n_eval]))
+        save_new(train_path, np.asarray(windows[:-n_eval]))
     entropy = unigram_entropy(data)
     print(
         f"corpus: {windows.size:,} characters of the standard library in {len(windows):,} "
@@ -194,7 +208,7 @@ def main() -> None:
     )
     stream = el.data.DataStream(
         (str(train_path),),
-        args.batch,
+        micro,  # the stream serves micro-batches; the Trainer takes `accumulate` per update
         shuffle_buffer=args.shuffle_buffer,
         key=args.seed,
         drop_last=True,
@@ -214,7 +228,9 @@ def main() -> None:
         precision=args.precision,
         checkpoint_dir=run / "checkpoint",
         checkpoint_every=args.checkpoint_every,
+        checkpoint_seconds=args.checkpoint_seconds,
         progress=not args.no_progress,
+        config={"corpus": data.name, "layers": args.layers, "d_model": args.d_model},
         callback=lambda trainer, m: losses.append(m["loss"]),
     )
     if trainer.checkpoint_path is not None and trainer.checkpoint_path.exists():
@@ -224,18 +240,20 @@ def main() -> None:
             f"resuming from {trainer.checkpoint_path}: {done} epoch(s) done, "
             f"{meta['partial']['updates']} update(s) into the next"
         )
+    del model  # the Trainer holds its own copy (trainer.model)
 
+    n_params = sum(a.size for a in jax.tree.leaves(eqx.filter(trainer.model, eqx.is_array)))
     print(
         f"model: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, d_ff {d_ff}, "
-        f"{sum(a.size for a in jax.tree.leaves(eqx.filter(model, eqx.is_array))):,} parameters; "
-        f"remat={args.remat}, accumulate={args.accumulate} x {args.batch} sequences, "
+        f"{n_params:,} parameters; "
+        f"remat={args.remat}, batch {args.batch} = accumulate {args.accumulate} x {micro}, "
         f"precision={args.precision}"
     )
     report = el.memory.memory_report(
-        model,
+        trainer.model,
         int_tokens,
         optimizer,
-        (jax.ShapeDtypeStruct((args.batch * args.accumulate, args.seq + 1), jnp.uint8),),
+        (jax.ShapeDtypeStruct((args.batch, args.seq + 1), jnp.uint8),),  # the whole batch
         accumulate=args.accumulate,
         precision=args.precision,
         name="char LM",
@@ -258,13 +276,6 @@ def main() -> None:
     print("\nsample:\n" + "-" * 60)
     print(generate(trainer.model, "def ", args.sample_chars, key=sample_key))
     print("-" * 60)
-
-
-def write_windows_array(path: Path, windows: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npy.tmp")
-    with os.fdopen(fd, "wb") as f:
-        np.save(f, windows, allow_pickle=False)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

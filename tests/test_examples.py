@@ -20,12 +20,12 @@ def _run(*args, timeout=300):
 def test_char_lm_trains_and_a_second_run_resumes(tmp_path):
     tiny = [
         "--run-dir", tmp_path, "--max-chars", 12000, "--seq", 32, "--layers", 1,
-        "--d-model", 32, "--heads", 2, "--batch", 8, "--accumulate", 2,
+        "--d-model", 32, "--heads", 2, "--batch", 16, "--accumulate", 2,
         "--checkpoint-every", 5, "--sample-chars", 20, "--no-progress",
     ]  # fmt: skip
     first = _run(EXAMPLES / "train_char_lm.py", *tiny, "--epochs", 1)
     assert "unigram entropy" in first.stdout and "sample:" in first.stdout
-    assert (tmp_path / "checkpoint" / "checkpoint.eqx").exists()
+    assert (tmp_path / "checkpoint" / "checkpoint.ckpt").exists()
     assert "resuming" not in first.stdout
     second = _run(EXAMPLES / "train_char_lm.py", *tiny, "--epochs", 2)
     assert "resuming from" in second.stdout and "1 epoch(s) done" in second.stdout
