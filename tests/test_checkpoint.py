@@ -403,3 +403,67 @@ def test_a_second_process_on_a_locked_directory_gets_a_clear_error(tmp_path):
     with pytest.raises(NotADirectoryError, match="is a file"):
         with lock_directory(tmp_path / "file"):
             pass
+
+
+_TWO_HOSTS = """
+import sys
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+process, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
+import jax.numpy as jnp, numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from eqx_lowmem.train import save_checkpoint, load_checkpoint
+mesh = Mesh(np.array(jax.devices()), ("data",))
+rows, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+full = np.arange(32.0, dtype=np.float32).reshape(8, 4)
+def tree(scale):
+    w = jax.make_array_from_callback((8, 4), rows, lambda i: scale * full[i])
+    b = jax.make_array_from_callback((4,), rep, lambda i: scale * full[0][i])
+    return {"w": w, "b": b}
+saved = tree(1.0)
+assert not saved["w"].is_fully_addressable
+save_checkpoint(path, saved, {"hosts": 2})
+loaded, meta = load_checkpoint(path, tree(0.0))
+assert loaded["w"].sharding == rows and meta == {"hosts": 2}
+w = multihost_utils.process_allgather(loaded["w"], tiled=True)
+assert (np.asarray(w) == full).all()
+assert (np.asarray(loaded["b"].addressable_data(0)) == full[0]).all()
+print("ok", process, jax.device_count(), flush=True)
+"""
+
+
+def test_two_processes_save_and_load_a_sharded_state(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    env["JAX_PLATFORMS"] = "cpu"
+    path = tmp_path / CHECKPOINT_NAME
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TWO_HOSTS, str(i), str(port), str(path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=180)
+        finally:
+            p.kill()
+        assert p.returncode == 0, err[-3000:]
+        outs += [line.split() for line in out.splitlines() if line.startswith("ok")]
+    assert outs == [["ok", "0", "4"], ["ok", "1", "4"]]  # (gloo logs to stdout too)
+    # One file, written by process 0, readable on one host.
+    assert [q.name for q in tmp_path.iterdir()] == [CHECKPOINT_NAME]
+    tree, _ = load_checkpoint(path, {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)})
+    assert tree["w"].tolist() == np.arange(32.0).reshape(8, 4).tolist()
