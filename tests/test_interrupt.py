@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import equinox as eqx
@@ -228,3 +229,4 @@ def test_interrupt_raise_keeps_the_saved_state_in_memory(tmp_path):
     assert meta["updates"] == 3 and int(state.step) == 3
     assert _same(state.model, trainer.state.model)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert not [t for t in threading.enumerate() if t.name.startswith("eqx_lowmem.data.")]

@@ -82,7 +82,7 @@ def _seconds_arg(name: str, value: Any) -> None:
 def _check_key(key: Any) -> None:
     ok = isinstance(key, jax.Array) and (
         jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-        or (key.dtype == jnp.uint32 and key.shape == (2,))
+        or (key.dtype == jnp.uint32 and key.shape in ((2,), (4,)))
     )
     if not ok:
         got = (
@@ -356,8 +356,9 @@ class Trainer:
                 a bad `micro_batch` (not an int >= 1, different from the stream's, not
                 divisible by the mesh's devices), neither `epochs` nor `updates`, a stream
                 with no batches, a model that does not accept the data, a `checkpoint_dir`
-                that is a file or is used by another process, or a checkpoint made with
-                other settings. TypeError: for a key that is not a PRNG key.
+                that is a file, or a checkpoint made with other settings. TypeError: for a
+                key that is not a PRNG key. `DirectoryLockedError`: if another process is
+                training in `checkpoint_dir`.
             FloatingPointError: for a non-finite loss without a loss scale (the update is
                 not applied, no checkpoint is written, and `trainer.state` is the last good
                 state), or `max_consecutive_skips` skipped updates in a row with one.
