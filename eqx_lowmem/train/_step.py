@@ -155,19 +155,24 @@ def _check_leaves(model: Any) -> None:
 
 
 def _dropout_rates(model: Any) -> list[tuple[str, float]]:
-    """Modules of `model` with a dropout rate above 0 (`dropout` or `p` fields)."""
-    found = []
+    """Modules of `model` with a dropout rate above 0 (`eqx.nn.Dropout.p`, `dropout` fields)."""
+    found: list[tuple[str, float]] = []
 
-    def visit(path, x):
-        if isinstance(x, eqx.nn.Dropout) and x.p > 0:
-            found.append((jax.tree_util.keystr(path), float(x.p)))
-        elif isinstance(x, eqx.Module):
-            rate = getattr(x, "dropout", None)
+    def visit(x: Any, path: str) -> None:
+        if isinstance(x, eqx.Module):
+            rate = x.p if isinstance(x, eqx.nn.Dropout) else getattr(x, "dropout", None)
             if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
-                found.append((jax.tree_util.keystr(path), float(rate)))
-        return x
+                found.append((path or type(x).__name__, float(rate)))
+            for f in dataclasses.fields(x):
+                visit(getattr(x, f.name, None), f"{path}.{f.name}")
+        elif isinstance(x, (list, tuple)):
+            for i, item in enumerate(x):
+                visit(item, f"{path}[{i}]")
+        elif isinstance(x, dict):
+            for k, item in x.items():
+                visit(item, f"{path}[{k!r}]")
 
-    jax.tree_util.tree_map_with_path(visit, model, is_leaf=lambda x: isinstance(x, eqx.Module))
+    visit(model, "")
     return found
 
 
@@ -253,12 +258,18 @@ class Step:
 
     # -- init ------------------------------------------------------------------------------
 
-    def init(self, model: PyTree, *, key: PRNGKeyArray, model_state: PyTree = None) -> TrainState:
+    def init(self, model: PyTree, *, key: Any, model_state: PyTree = None) -> TrainState:
         """The initial `TrainState`: parameters cast to the policy, a fresh optimizer state,
         placed on the mesh (replicated, or sharded with `shard="fsdp"`).
 
         The state owns copies of the model's arrays and of the key (steps donate the
         state's buffers), so `model` and `key` stay usable; drop `model` to free its memory.
+
+        Args:
+            model: the model to train.
+            key: a JAX PRNG key (`jr.PRNGKey(0)` or `jr.key(0)`; checked here with a clear
+                error, so not annotated for the run-time type checker).
+            model_state: `eqx.nn.State` of a stateful model (`has_state=True`).
 
         Raises:
             ValueError: without `model_state` for `has_state=True`; for a model with dropout
@@ -568,8 +579,13 @@ class Step:
         dynamic, state_static = eqx.partition(state, eqx.is_array)
 
         def apply_arrays():
-            new_dynamic, new_static = eqx.partition(apply(), eqx.is_array)
-            if jax.tree.structure(new_dynamic) != jax.tree.structure(dynamic):
+            new_dynamic = eqx.filter(apply(), eqx.is_array)
+
+            def avals(tree):
+                return jax.tree.structure(tree), [(x.shape, x.dtype) for x in
+                                                  jax.tree.leaves(tree)]  # fmt: skip
+
+            if avals(new_dynamic) != avals(dynamic):
                 raise ValueError(
                     "after_update must return a TrainState of the same structure, shapes "
                     "and dtypes as it received (rewiring changes values only)."
