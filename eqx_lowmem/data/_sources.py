@@ -46,7 +46,7 @@ class Watched(NamedTuple):
     """A memory-mapped file and what it was when opened: a change means its pages are no
     longer the data (or no longer exist: reading a truncated mapping is SIGBUS)."""
 
-    index: int
+    source_index: int
     path: Path
     size: int
     mtime_ns: int
@@ -57,12 +57,12 @@ class Watched(NamedTuple):
             st = os.stat(self.path)
         except OSError as e:
             raise RuntimeError(
-                f"source[{self.index}] = {str(self.path)!r} can no longer be read ({e}); "
+                f"source[{self.source_index}] = {str(self.path)!r} can no longer be read ({e}); "
                 "the stream memory-maps it: keep the file in place while the stream runs."
             ) from None
         if (st.st_size, st.st_mtime_ns, st.st_ino) != (self.size, self.mtime_ns, self.inode):
             raise RuntimeError(
-                f"source[{self.index}] = {str(self.path)!r} changed while the stream was "
+                f"source[{self.source_index}] = {str(self.path)!r} changed while the stream was "
                 f"reading it (size {self.size} -> {st.st_size} bytes"
                 f"{', rewritten' if st.st_size == self.size else ''}); the stream "
                 "memory-maps it, so its batches would be torn or the process killed by "

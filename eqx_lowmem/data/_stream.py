@@ -355,7 +355,7 @@ class DataStream:
         check_depth(depth)
         return Batches(self._serve((depth, sharding)))
 
-    def _serve(self, prefetch: tuple[int, Any] | None) -> Iterator[Any]:
+    def _serve(self, prefetch: tuple[int, Any] | None) -> Generator[Any, None, None]:
         self._generation += 1
         generation = self._generation
         epoch, start = self._epoch, self._batch

@@ -180,7 +180,7 @@ def save_checkpoint(path: str | os.PathLike, tree: Any, meta: dict[str, Any]) ->
         f.seek(data_start)
         for (_, x), record in zip(leaves, records, strict=True):
             a = _raw(_host_value(x))
-            record["crc32"] = f"{zlib.crc32(a):08x}"
+            record["crc32"] = f"{zlib.crc32(a.data):08x}"
             f.write(a.data)
         header = header_bytes()
         assert len(header) == len(placeholder)
