@@ -10,7 +10,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._activation import gelu
-from ._attention import attention
+from ._attention import _check_dropout, _check_name, attention, resolve_attention
 from ._chunk import map_chunks
 from ._norm import LayerNorm
 from ._remat import BLOCK_NAMES, Remat, RematArg, remat_policy, resolve_remat
@@ -63,6 +63,23 @@ class TransformerBlock(eqx.Module):
 
     Recomputation saves memory reliably only when the blocks run in a `jax.lax.scan` (see
     `transformer_encoder`); in an unrolled loop XLA may schedule the recomputation early.
+
+    `attention` chooses how softmax(q k^T) v is computed (`eqx_lowmem.nn.resolve_attention`
+    says what `"auto"` runs for a dtype and backend; the numbers agree to rounding):
+
+    - `"chunked"`: by hand, over chunks of `chunk_size` queries when chunking is on (each
+      chunk recomputed in its own backward, so the backward holds one `(heads, chunk, seq)`
+      slice); the whole `(heads, seq, seq)` matrix when it is off. Supports
+      `attention_dropout`. What saves memory on a CPU.
+    - `"xla"`: `jax.nn.dot_product_attention(implementation="xla")`, the whole matrix at
+      once (no chunking; `chunk_size` then applies to the feed-forward only).
+    - `"cudnn"`: cuDNN's flash attention (`implementation="cudnn"`): no `(heads, seq, seq)`
+      matrix in either pass, and the fastest. A CUDA GPU (compute capability 8.0+), float16
+      or bfloat16 activations (e.g. `precision="mixed_bf16"`), a head dimension
+      `d_model // n_heads` that is a multiple of 8 and at most 128; a clear error elsewhere.
+    - `"auto"` (default): `"cudnn"` where it can run, `"chunked"` elsewhere (always
+      `"chunked"` with `attention_dropout > 0`). Decided when the block is traced, from the
+      activations' dtype, so a float32 model trained with a 16-bit policy gets cuDNN.
     """
 
     ln1: LayerNorm
@@ -78,6 +95,8 @@ class TransformerBlock(eqx.Module):
     causal: bool = eqx.field(static=True)
     remat: Remat = eqx.field(static=True)
     chunk_size: int | None = eqx.field(static=True)
+    attention: str = eqx.field(static=True)
+    attention_dropout: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -90,6 +109,8 @@ class TransformerBlock(eqx.Module):
         causal: bool = False,
         remat: RematArg = False,
         chunk_size: int | None | Literal["auto"] = "auto",
+        attention: str = "auto",
+        attention_dropout: float = 0.0,
     ):
         """Args:
         d_model: width of the residual stream; divisible by `n_heads`.
@@ -103,6 +124,9 @@ class TransformerBlock(eqx.Module):
             `"auto"`: 64 with `remat="full"`, else no chunking. `None`: never chunk. Chunks
             cap the backward pass's activations at one chunk's, for one more forward pass of
             each chunk (with `remat="full"` the block's own recomputation covers most of it).
+        attention: `"auto"`, `"chunked"`, `"xla"` or `"cudnn"` (above).
+        attention_dropout: rate in [0, 1) of dropout on the attention weights (`"chunked"`
+            only; an error with `"xla"` or `"cudnn"`); needs a key at call time.
         """
         for name, value in (("d_model", d_model), ("n_heads", n_heads), ("d_ff", d_ff)):
             if not isinstance(value, int) or value < 1:
@@ -114,6 +138,19 @@ class TransformerBlock(eqx.Module):
             )
         if not (isinstance(dropout, (int, float)) and 0.0 <= dropout < 1.0):
             raise ValueError(f"dropout must be a rate in [0, 1), got {dropout!r}.")
+        _check_name(attention)
+        if not (isinstance(attention_dropout, (int, float)) and 0.0 <= attention_dropout < 1.0):
+            raise ValueError(
+                f"attention_dropout must be a rate in [0, 1), got {attention_dropout!r}."
+            )
+        _check_dropout(attention, attention_dropout)
+        head_dim = d_model // n_heads
+        if attention == "cudnn" and (head_dim % 8 or head_dim > 128):
+            raise ValueError(
+                f"attention='cudnn' needs a head dimension d_model // n_heads that is a "
+                f"multiple of 8 and at most 128, got {d_model} // {n_heads} = {head_dim}; "
+                "change n_heads or use attention='auto'."
+            )
         remat = resolve_remat(remat, BLOCK_NAMES)
         if chunk_size == "auto":
             chunk_size = DEFAULT_CHUNK_SIZE if remat == "full" else None
@@ -133,6 +170,20 @@ class TransformerBlock(eqx.Module):
         self.causal = causal
         self.remat = remat
         self.chunk_size = chunk_size
+        self.attention = attention
+        self.attention_dropout = float(attention_dropout)
+
+    def resolved_attention(self, dtype: object, backend: str | None = None) -> str:
+        """What `attention` runs as for activations of `dtype` on `backend` (default: the
+        default backend): `eqx_lowmem.nn.resolve_attention` with this block's head dimension
+        and attention dropout."""
+        return resolve_attention(
+            self.attention,
+            dtype,
+            backend,
+            head_dim=self.d_model // self.n_heads,
+            dropout=self.attention_dropout,
+        )
 
     def __call__(
         self, x: Float[Array, "seq d_model"], *, key: PRNGKeyArray | None = None
@@ -186,7 +237,21 @@ class TransformerBlock(eqx.Module):
         qkv = checkpoint_name(_dense(self.qkv, h), "qkv")
         q, k, v = jnp.split(qkv.reshape(seq, 3, self.n_heads, head_dim), 3, axis=1)
         # (seq, heads, head_dim) each
-        context = attention(q[:, 0], k[:, 0], v[:, 0], causal=self.causal, chunk=self.chunk_size)
+        # Attention dropout's key is derived from the sub-layer's, so the residual dropout
+        # masks stay what they are without it.
+        weights_key = None
+        if attn_key is not None and self.attention_dropout:
+            weights_key = jr.fold_in(attn_key, 1)
+        context = attention(
+            q[:, 0],
+            k[:, 0],
+            v[:, 0],
+            causal=self.causal,
+            chunk=self.chunk_size,
+            implementation=self.attention,
+            dropout=self.attention_dropout,
+            key=weights_key,
+        )
         context = checkpoint_name(context.reshape(seq, self.d_model), "attn_context")
         attn_out = checkpoint_name(_dense(self.proj, context), "attn_out")
         x = x + _dropout(attn_out, self.dropout, attn_key)
