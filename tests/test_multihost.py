@@ -66,7 +66,7 @@ def test_two_processes_with_fsdp_equal_one_process(tmp_path):
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 32, (64, 17), dtype=np.int32))
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2")
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     port = _free_port()
     procs = [
         subprocess.Popen(
