@@ -51,6 +51,7 @@ def test_plan_command_picks_a_fitting_combination(tmp_path):
     done = _run(args, tmp_path)
     assert done.returncode == 0, done.stderr
     assert "<- best" in done.stdout and "predicted peak" in done.stdout
+    assert "[4/4] remat=" in done.stderr  # progress, one line per compiled candidate
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["budget"] == 2**30 and len(plan["candidates"]) == 4
     best = plan["candidates"][plan["best"]]
@@ -94,3 +95,113 @@ def test_bad_arguments_say_what_was_expected(tmp_path):
     assert done.returncode == 2 and "not a byte size" in done.stderr
     done = _run(["report", "--model", "no_colon"], tmp_path)
     assert done.returncode == 1 and "expected module:function" in done.stderr
+
+
+# ------------------------------------------------------------------ in-process: argparse
+
+
+def _main(args, capsys):
+    from eqx_lowmem.memory._cli import main
+
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse: --help, --version, usage errors
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_abbreviations_and_typos_are_rejected(capsys):
+    code, _, err = _main(["plan", "--budget", "1GiB", "--remat", "full"], capsys)
+    assert code == 2 and "unrecognized arguments: --remat" in err
+    code, _, err = _main(["plan", "--budgte", "1GiB"], capsys)
+    assert code == 2 and "unrecognized arguments: --budgte 1GiB (did you mean --budget?)" in err
+    code, _, err = _main(["plan"], capsys)
+    assert code == 2 and "required: --budget" in err
+    code, _, err = _main(["plan", "--budget", "1GiB", "--accumulates", "0"], capsys)
+    assert code == 2 and "--accumulates expects an int >= 1, got 0" in err
+    code, _, err = _main(["report", "--batch", "0"], capsys)
+    assert code == 2 and "--batch expects an int >= 1" in err
+
+
+def test_version_and_help_with_examples(capsys):
+    code, out, _ = _main(["--version"], capsys)
+    assert code == 0 and out.startswith("eqx-lowmem ")
+    code, out, _ = _main(["report", "--help"], capsys)
+    assert code == 0
+    out = " ".join(out.split())  # help text wraps
+    assert "examples:" in out and "eqx-lowmem report --model lm" in out
+    assert "mixed_bf16 / mixed_fp16: float32 parameters, 16-bit" in out  # --precision
+    assert "stacked bar of the parts" in out  # --plot-kind
+    assert "the whole batch of one update" in out  # --batch
+    code, out, _ = _main(["plan", "--help"], capsys)
+    assert code == 0 and "--rank-for" in out and "examples:" in out and "--densities" in out
+
+
+def test_a_broken_user_model_or_loss_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "broken_models_cli.py").write_text(
+        textwrap.dedent(
+            """
+            import jax, jax.numpy as jnp, jax.random as jr
+            import eqx_lowmem as el
+
+            def factory(remat):
+                raise RuntimeError("no such layer: conv9")
+
+            def bad_loss(model, x, y):
+                raise KeyError("labels")
+
+            def loss_fails(remat):
+                model = el.nn.mlp([4, 8, 1], key=jr.PRNGKey(0))
+                x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+                return model, bad_loss, (x, x)
+            """
+        )
+    )
+    code, _, err = _main(["report", "--model", "broken_models_cli:factory"], capsys)
+    assert code == 1
+    assert err.strip().count("\n") == 1  # the model line, then the one error line
+    last = err.strip().splitlines()[-1]
+    assert "error in --model broken_models_cli:factory" in last
+    assert "RuntimeError: no such layer: conv9" in last and "Traceback" not in err
+    code, _, err = _main(["report", "--model", "broken_models_cli:loss_fails"], capsys)
+    assert code == 1
+    last = err.strip().splitlines()[-1]
+    assert "error in --model broken_models_cli:loss_fails" in last and "KeyError" in last
+    assert "Traceback" not in err
+
+
+def test_an_unwritable_plot_fails_before_the_report_is_computed(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code, out, err = _main(["report", "--plot", str(blocker / "sub" / "r.png")], capsys)
+    assert code == 1 and "--plot" in err and "cannot create" in err
+    assert "model:" not in err and out == ""  # nothing was built or compiled
+    code, _, err = _main(["report", "--json", str(tmp_path)], capsys)
+    assert code == 1 and "--json" in err and "is a directory" in err
+
+
+def test_the_readme_language_model_from_the_command_line(tmp_path, capsys):
+    args = ["report", "--model", "lm", "--vocab", "16", "--layers", "1", "--d-model", "16"]
+    args += ["--heads", "2", "--d-ff", "32", "--seq", "8", "--batch", "4", "--accumulate", "2"]
+    code, out, err = _main([*args, "--json", str(tmp_path / "lm.json")], capsys)
+    assert code == 0, err
+    assert "model: lm: CausalLM vocab 16" in err and "next_token_loss" in err
+    report = json.loads((tmp_path / "lm.json").read_text())
+    assert report["config"]["batch"] == [[[4, 9], "int32"]]  # (batch, seq + 1) token ids
+    assert report["config"]["accumulate"] == 2
+
+
+def test_devices_and_fsdp_report_per_device(tmp_path):
+    args = ["report", *SMALL, "--devices", "4", "--shard", "fsdp", "--accumulate", "2"]
+    done = _run([*args, "--json", "r.json"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["config"]["devices"] == 4 and report["config"]["shard"] == "fsdp"
+    # Every array of the encoder has a dimension 4 divides: a quarter of 4 bytes each.
+    assert report["parts"]["parameters"] == report["config"]["parameters"]
+    assert "(figures per device)" in done.stdout
+    done = _run(["report", *SMALL, "--shard", "fsdp"], tmp_path)
+    assert done.returncode == 1 and "add --devices N" in done.stderr

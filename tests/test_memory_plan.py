@@ -190,3 +190,107 @@ def test_plan_json_and_plots(planned, tmp_path):
         el.memory.plot_report(reports, labels=["a", "b"])
     with pytest.raises(ValueError, match="kind="):
         el.memory.plot_report(reports, kind="donut")
+
+
+# ------------------------------------------------------------- issues 10, 11, 14, 15
+
+
+def test_ranking_knows_the_backend_and_says_what_it_is_based_on(planned):
+    # Described as a GPU (16-bit products at twice float32's rate): bf16 wins; as a CPU
+    # (which converts 16-bit operands to float32): float32 wins. Equal matrix FLOPs.
+    for_gpu = dataclasses.replace(planned, rank_for="gpu").within(planned.budget)
+    assert (for_gpu.best.remat, for_gpu.best.accumulate) == (False, 1)
+    assert for_gpu.best.precision == "mixed_bf16"
+    for_cpu = dataclasses.replace(planned, rank_for="cpu").within(planned.budget)
+    assert for_cpu.best.precision == "float32"
+    by = {(c.remat, c.accumulate, c.precision): c for c in planned.candidates}
+    f32, bf16 = by[False, 1, "float32"].report.cost, by[False, 1, "mixed_bf16"].report.cost
+    assert f32.matmul_flops == bf16.matmul_flops and f32.matmul_flops_16bit == 0
+    assert bf16.matmul_flops_16bit == bf16.matmul_flops
+    gpu = el.memory.THROUGHPUTS["gpu"]
+    assert el.memory.relative_time(bf16, gpu) < el.memory.relative_time(f32, gpu)
+    assert "Ranked by estimated step time on a GPU" in str(for_gpu)
+    assert "Ranked by estimated step time on a CPU" in str(planned)
+    assert json.loads(for_gpu.to_json())["ranking"].startswith("estimated step time on a GPU")
+
+
+def test_fits_follows_from_the_budget_and_the_peak(planned):
+    smallest = min(c.peak_bytes for c in planned.candidates)
+    tight = planned.within(smallest)
+    for c in (*planned.candidates, *tight.candidates):
+        assert c.fits == (c.peak_bytes <= c.budget)
+    assert all(c.budget == smallest for c in tight.candidates)
+    assert sum(c.fits for c in tight.candidates) < sum(c.fits for c in planned.candidates)
+
+
+def test_plan_reports_progress_per_candidate():
+    lines = []
+
+    def tiny(remat):
+        return el.nn.transformer_encoder(1, 16, 2, 32, key=jr.PRNGKey(0), remat=remat)
+
+    x = jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)
+    result = el.memory.plan(
+        tiny,
+        el.train.mse,
+        optax.sgd(0.1),
+        (x, x),
+        budget="1GiB",
+        remats=("none",),
+        accumulates=(1, 2),
+        precisions=("float32",),
+        progress=lines.append,
+    )
+    assert len(lines) == len(result.candidates) == 2
+    assert lines[0].startswith("[1/2] remat=none, accumulate=1, precision=float32: peak ")
+    assert lines[1].startswith("[2/2] remat=none, accumulate=2")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"accumulates": (0,)}, "accumulates=.0,.: 0 is not a number of micro-batches"),
+        ({"accumulates": (2, -1)}, "-1 is not a number of micro-batches"),
+        ({"accumulates": (True,)}, "True is not a number of micro-batches"),
+        ({"densities": (0.0,)}, "0.0 is not a density"),
+        ({"densities": (1.5,)}, "1.5 is not a density"),
+        ({"shards": ("zero",)}, "'zero' is not one of"),
+        ({"rank_for": "quantum"}, "rank_for='quantum'"),
+    ],
+)
+def test_bad_search_spaces_are_refused_before_compiling(kwargs, match):
+    def never(remat):
+        raise AssertionError("make_model must not be called")
+
+    with pytest.raises(ValueError, match=match):
+        el.memory.plan(never, el.train.mse, optax.sgd(0.1), _batch(), budget="1GiB", **kwargs)
+
+
+def test_densities_are_a_knob_and_the_densest_fitting_one_wins():
+    pytest.importorskip("eqx_lowmem.sparse")
+
+    def make(remat):
+        return el.nn.mlp([64, 256, 256, 8], key=jr.PRNGKey(0))
+
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    y = jax.ShapeDtypeStruct((16, 8), jnp.float32)
+    result = el.memory.plan(
+        make,
+        el.train.mse,
+        optax.adam(1e-3),
+        (x, y),
+        budget="1GiB",
+        remats=("none",),
+        accumulates=(1,),
+        precisions=("float32",),
+        densities=(None, 0.3),
+    )
+    dense, sparse = result.candidates
+    assert (dense.density, sparse.density) == (None, 0.3)
+    assert sparse.report.config["density"] == pytest.approx(0.3, abs=0.01)
+    state = ("parameters", "optimizer")
+    assert sum(sparse.report.parts[p] for p in state) < 0.5 * sum(
+        dense.report.parts[p] for p in state
+    )
+    assert result.best is dense  # everything fits: the dense model
+    assert "density=0.3" in sparse.label and "density" in str(result)

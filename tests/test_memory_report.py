@@ -258,3 +258,154 @@ def test_format_bytes():
     assert el.memory.format_bytes(512 * 2**20) == "512.0 MiB"
     assert el.memory.format_bytes(-2048) == "-2.00 KiB"
     assert el.memory.format_bytes(12) == "12 B"
+
+
+# ------------------------------------------------------------- issues 10 to 15: new behaviour
+
+
+def test_an_equinox_mlp_shows_modules_not_primitives_and_no_negative_part():
+    model = eqx.nn.MLP(16, 4, 64, 2, key=jr.PRNGKey(0))
+
+    def loss(m, x, y):
+        return jnp.mean((jax.vmap(m)(x) - y) ** 2, axis=-1)
+
+    x = jax.ShapeDtypeStruct((32, 16), jnp.float32)
+    y = jax.ShapeDtypeStruct((32, 4), jnp.float32)
+    report = el.memory.memory_report(model, loss, optax.sgd(0.1), (x, y))
+    assert min(report.parts.values()) >= 0
+    assert sum(report.parts.values()) == report.peak_bytes + report.overlap_bytes
+    # Two hidden layers' ReLU outputs (32 x 64 float32 each), made by eqx.nn.MLP; the
+    # batch itself (float32, not a copy) and broadcast zeros are not counted again.
+    relu = [g for g in report.activations if g.label == "unnamed ReLU or max"]
+    assert [(g.module, g.arrays, g.nbytes) for g in relu] == [("MLP", 2, 2 * 32 * 64 * 4)]
+    assert not [g for g in report.activations if g.label.startswith("batch")]
+    text = str(report)
+    assert "(select_n)" not in text and "(max)" not in text and "(exp)" not in text
+    part_lines = [line for line in text.splitlines() if "%" in line]
+    assert len(part_lines) == len(el.memory.PARTS)
+    assert not [line for line in part_lines if "-" in line.split()[-2]]
+
+
+def test_a_users_module_groups_by_its_own_checkpoint_names():
+    class Block(eqx.Module):
+        linear: eqx.nn.Linear
+
+        def __call__(self, x):
+            with jax.named_scope("mylib.Block"):
+                h = jax.ad_checkpoint.checkpoint_name(self.linear(x), "block_hidden")
+                return jnp.tanh(h)
+
+    def loss(block, x, y):
+        policy = jax.checkpoint_policies.save_only_these_names("block_hidden")
+        out = jax.vmap(jax.checkpoint(lambda b, v: b(v), policy=policy), (None, 0))(block, x)
+        return jnp.sum((out - y) ** 2, axis=-1)
+
+    block = Block(eqx.nn.Linear(8, 24, key=jr.PRNGKey(0)))
+    x = jax.ShapeDtypeStruct((16, 8), jnp.float32)
+    y = jax.ShapeDtypeStruct((16, 24), jnp.float32)
+    report = el.memory.memory_report(block, loss, optax.sgd(0.1), (x, y))
+    (hidden,) = [g for g in report.activations if g.name == "block_hidden"]
+    assert (hidden.label, hidden.module, hidden.nbytes) == ("block_hidden", "Block", 16 * 24 * 4)
+    assert "block_hidden" in str(report)
+
+
+def test_report_says_which_attention_auto_chose_and_host_bytes(adam_report):
+    _, _, report = adam_report
+    assert report.config["attention"] == {"auto": "chunked"}  # XLA:CPU: the chunked path
+    assert "attention=auto->chunked" in str(report)
+    assert report.host_bytes == 0 and report.compiled.get("host_temp", 0) == 0
+    assert report.config["devices"] == 1 and report.config["shard"] == "data"
+    assert "host memory" not in str(report)
+
+
+def test_sparse_layers_count_as_parameters_and_optimizer_with_their_density():
+    sparse = pytest.importorskip("eqx_lowmem.sparse")
+    dense = el.nn.mlp([64, 256, 8], key=jr.PRNGKey(0))
+    model = eqx.filter_eval_shape(lambda: sparse.sparsify(dense, 0.5, key=jr.PRNGKey(1)))
+    x = jax.ShapeDtypeStruct((16, 64), jnp.float32)
+    y = jax.ShapeDtypeStruct((16, 8), jnp.float32)
+    report = el.memory.memory_report(model, el.train.mse, optax.adam(1e-3), (x, y))
+    arrays = [a for a in jax.tree.leaves(model) if isinstance(a, jax.ShapeDtypeStruct)]
+    floats = [a for a in arrays if jnp.issubdtype(a.dtype, jnp.inexact)]
+    assert any(jnp.issubdtype(a.dtype, jnp.integer) for a in arrays)  # the indices
+    # Values, indices (and biases) are the parameters; Adam keeps two moments per value.
+    assert report.parts["parameters"] == sum(a.size * a.dtype.itemsize for a in arrays)
+    assert report.parts["gradients"] == sum(a.size * 4 for a in floats)
+    assert (
+        2 * report.parts["gradients"]
+        <= report.parts["optimizer"]
+        < 2 * report.parts["gradients"] + 64
+    )
+    assert report.config["density"] == pytest.approx(0.5, abs=0.01)
+    assert "density=0.5" in str(report)
+    assert not [g for g in report.activations if jnp.issubdtype(g.dtype, jnp.integer)]
+
+
+def test_shard_needs_a_mesh_and_a_known_name():
+    model, opt = _encoder(), optax.sgd(0.1)
+    with pytest.raises(ValueError, match="pass mesh="):
+        el.memory.memory_report(model, el.train.mse, opt, _batch(), shard="fsdp")
+    with pytest.raises(ValueError, match="shard='zero'"):
+        el.memory.memory_report(model, el.train.mse, opt, _batch(), shard="zero")
+
+
+_FSDP_SCRIPT = """
+import json
+import numpy as np, jax, jax.numpy as jnp, jax.random as jr, optax
+import eqx_lowmem as el
+
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+x = jax.ShapeDtypeStruct((16, 8, 32), jnp.float32)
+p = el.memory.plan(lambda remat: el.nn.transformer_encoder(2, 32, 4, 64, key=jr.PRNGKey(0),
+                   remat=remat), el.train.mse, optax.adam(1e-3), (x, x), budget="1GiB",
+                   remats=("full",), accumulates=(2,), precisions=("float32",), mesh=mesh)
+out = {c.shard: {**c.report.to_dict(), "text": str(c.report)} for c in p.candidates}
+out["plan"] = {"shards": [c.shard for c in p.candidates],
+               "peaks": [c.peak_bytes for c in p.candidates], "best": p.best.shard,
+               "tight": p.within(min(c.peak_bytes for c in p.candidates)).best.shard}
+print(json.dumps(out))
+"""
+
+
+def test_per_device_report_and_plan_over_a_mesh_of_four():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    done = subprocess.run(
+        [sys.executable, "-c", _FSDP_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    data, fsdp = out["data"], out["fsdp"]
+    n_params = data["config"]["parameters"]
+    assert fsdp["config"]["devices"] == 4 and fsdp["config"]["shard"] == "fsdp"
+    # Replicated: every device holds all parameters and state (Adam: two moments and a
+    # count), and a quarter of the batch (two arrays and the sample weights).
+    assert data["parts"]["parameters"] == 4 * n_params
+    assert data["parts"]["optimizer"] == 2 * 4 * n_params + 4
+    assert data["parts"]["batch"] == (2 * 16 * 8 * 32 * 4 + 16 * 4) // 4
+    # FSDP: every array of this model has a dimension 4 divides: a quarter each.
+    assert fsdp["parts"]["parameters"] == n_params  # 4 bytes x n / 4 devices
+    assert fsdp["parts"]["gradients"] == fsdp["parts"]["accumulator"] == n_params
+    assert fsdp["parts"]["optimizer"] == 2 * n_params + 4
+    assert fsdp["parts"]["batch"] == data["parts"]["batch"]
+    assert fsdp["parts"]["activations"] == data["parts"]["activations"]
+    assert fsdp["compiled"]["argument"] <= 1.05 * data["compiled"]["argument"] / 4 + 4096
+    assert fsdp["peak_bytes"] < data["peak_bytes"]
+    for r in (data, fsdp):
+        assert sum(r["parts"].values()) == r["peak_bytes"] + r["overlap_bytes"]
+    assert "devices=4  shard=fsdp  (figures per device)" in fsdp["text"]
+    assert any("0 of 12 model arrays" in note for note in fsdp["notes"])
+    # The planner tries both layouts with a mesh, and shards when replicated does not fit.
+    plan = out["plan"]
+    assert plan["shards"] == ["data", "fsdp"] and plan["best"] == "data"
+    assert plan["tight"] == "fsdp" and plan["peaks"][1] < plan["peaks"][0]
+
+
+@pytest.mark.parametrize("bad", [2.5, True, None, [1]])
+def test_parse_size_refuses_what_is_not_an_int_or_text(bad):
+    with pytest.raises(TypeError, match="size must be an int"):
+        el.memory.parse_size(bad)

@@ -4,14 +4,12 @@ module and checkpoint name that made it."""
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..precision._policy import Policy
 from ..train._loss import call_loss
-from ._inspect import is_float
 from ._residuals import Residual, saved_residuals
 from ._result import ActivationGroup
 
@@ -96,17 +94,17 @@ def micro_residuals(
     )
     n = jax.tree.leaves(micro)[0].shape[0]
     weights = jax.ShapeDtypeStruct((n,), jnp.float32)
-    params, static = eqx.partition(model, is_float)
 
-    def loss(params, batch, weights, model_state):
-        model = eqx.combine(params, static)
+    def loss(model, batch, weights, model_state):
+        # The step differentiates with respect to the model's floating leaves only;
+        # saved_residuals traces its integer leaves (sparse indices) given as shapes.
         batch, weights, model_state = jax.lax.stop_gradient((batch, weights, model_state))
         out = call_loss(
             loss_fn, model, batch, weights, model_state=model_state, key=key, policy=policy
         )
         return jnp.sum(out.values * out.weights)
 
-    args = (params, micro, weights, model_state)
+    args = (model, micro, weights, model_state)
     paths, _ = jax.tree_util.tree_flatten_with_path((args, {}))
     dtypes = {
         "argument args" + jax.tree_util.keystr(tuple(p[1:])): np.dtype(leaf.dtype)

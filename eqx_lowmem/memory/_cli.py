@@ -20,6 +20,7 @@ over `--devices`).
 """
 
 import argparse
+import difflib
 import importlib
 import importlib.util
 import os
@@ -218,7 +219,8 @@ def _parser() -> argparse.ArgumentParser:
         "sharding) whose compiled peak fits --budget.",
         **common,
     )
-    p.add_argument("--budget", type=_size, required=True, help="e.g. 2GiB, 512MiB, 1.5GB")
+    # Required, checked after unknown options (a typo such as --budgte is named as such).
+    p.add_argument("--budget", type=_size, help="required: e.g. 2GiB, 512MiB, 1.5GB")
     p.add_argument(
         "--remats",
         type=_csv(str, REMAT_PRESETS),
@@ -518,9 +520,25 @@ def _host_devices(devices: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
 
 
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse, naming unknown options (with the closest known one) before missing ones."""
+    args, extra = parser.parse_known_args(argv)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[
+        args.command
+    ]
+    if extra:
+        known = [o for a in sub._actions for o in a.option_strings]
+        close = difflib.get_close_matches(extra[0], known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close and extra[0].startswith("-") else ""
+        sub.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    if args.command == "plan" and args.budget is None:
+        sub.error("the following arguments are required: --budget")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 success, 1 error, 2 bad usage)."""
-    args = _parser().parse_args(argv)
+    args = _parse(_parser(), argv)
     start = time.perf_counter()
     user = args.model not in BUILTIN_MODELS
     spec = args.model if user else _describe(args)

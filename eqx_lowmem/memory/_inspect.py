@@ -141,27 +141,16 @@ def model_attention(model: PyTree, dtype: Any, backend: str) -> dict[str, str] |
 
 
 def model_density(model: PyTree) -> float | None:
-    """The fraction of allocated weights in `model`'s sparse layers (slots over dense
-    weights, `eqx_lowmem.sparse`); None when it has none (or that package is absent)."""
+    """The fraction of the dense weights that `model`'s sparse layers (`eqx_lowmem.sparse`)
+    allocate slots for (capacity over dense size: what memory follows; shapes suffice);
+    None without sparse layers."""
     try:
-        from .. import sparse
+        from ..sparse import sparse_layers
     except ImportError:
         return None
-    kinds = tuple(
-        getattr(sparse, name) for name in ("SparseLinear", "SparseConv2d") if hasattr(sparse, name)
-    )
-    if not kinds:
-        return None
-    layers = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, kinds))
-    layers = [m for m in layers if isinstance(m, kinds)]
+    layers = [layer for _, layer in sparse_layers(model)]
     if not layers:
         return None
-    slots = dense = 0
-    for m in layers:
-        values = getattr(m, "values", None)
-        shape = getattr(m, "dense_shape", None) or getattr(m, "shape", None)
-        if values is None or shape is None:
-            return None
-        slots += int(np.prod(values.shape))
-        dense += int(np.prod(shape))
-    return slots / dense if dense else None
+    slots = sum(int(np.prod(m.values.shape)) for m in layers)
+    dense = sum(m.size * int(np.prod(m.stack_shape)) for m in layers)
+    return slots / dense

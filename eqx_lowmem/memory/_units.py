@@ -18,8 +18,11 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(size: int | str) -> int:
+def parse_size(size: object) -> int:
     """Bytes from an int or a string with a unit: `"2GiB"`, `"512MiB"`, `"1.5GB"`, `"4096"`.
+
+    Takes any object (so that a wrong one gets this function's own clear error): an int of
+    bytes or a str.
 
     Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB) of
     1000; case is ignored. Fractions round down to whole bytes.
