@@ -33,12 +33,13 @@ def test_cross_entropy_and_next_token_shapes():
         cross_entropy(model, x, jnp.zeros(4))
     lm = el.nn.CausalLM(11, 8, 1, 8, 2, 16, key=jr.PRNGKey(0))
     tokens = jnp.zeros((2, 6), jnp.int32)
-    values, weights = next_token_loss(lm, tokens)
+    shapes = functools.partial(eqx.filter_eval_shape, next_token_loss, lm)  # no compute
+    values, weights = shapes(tokens)
     assert values.shape == weights.shape == (2, 5)
     with pytest.raises(ValueError, match=r"\(batch, seq\) integer ids"):
-        next_token_loss(lm, jnp.zeros((2, 6)))
+        shapes(jnp.zeros((2, 6)))
     with pytest.raises(ValueError, match="mask has shape"):
-        next_token_loss(lm, tokens, jnp.ones((2, 5)))
+        shapes(tokens, jnp.ones((2, 5)))
 
 
 def test_check_batch_reports_labels_outside_the_classes_as_bad_data():
@@ -83,3 +84,15 @@ def test_check_batch_finds_non_finite_data_for_any_loss():
         check_batch(own_loss, None, (np.ones((2, 1)), half))
     # A user's loss gets no label check: integers are its business.
     check_batch(own_loss, None, (np.ones((2, 1), np.float32), np.array([-5, 100])))
+
+
+def test_check_batch_follows_the_model_it_is_given():
+    # The class count is cached by the model's shapes: another head is another count.
+    x = np.zeros((2, 3), np.float32)
+    labels = np.array([0, 5])
+    wide = eqx.nn.MLP(3, 6, 8, 1, key=jr.PRNGKey(0))
+    narrow = eqx.nn.MLP(3, 4, 8, 1, key=jr.PRNGKey(0))
+    for _ in range(2):
+        check_batch(cross_entropy, wide, (x, labels))
+        with pytest.raises(ValueError, match=r"\[0, 4\)"):
+            check_batch(cross_entropy, narrow, (x, labels))

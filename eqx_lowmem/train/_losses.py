@@ -49,9 +49,7 @@ def mse(
     return _mean_trailing(jnp.square(pred - y.astype(jnp.float32)))
 
 
-def cross_entropy(
-    model, x: Array, labels: Array, *, key=None
-) -> Float[Array, " batch"]:
+def cross_entropy(model, x: Array, labels: Array, *, key=None) -> Float[Array, " batch"]:
     """Softmax cross-entropy of the logits `jax.vmap(model)(x)` against integer labels
     of shape `(batch,)` (checked here, with a message that says what to fix).
 
@@ -131,9 +129,29 @@ def _builtin(loss_fn: Callable[..., Any]) -> Callable[..., Any] | None:
     return fn if fn in (mse, cross_entropy, next_token_loss) else None
 
 
+# Output sizes already found, by the model's leaf shapes and the sample's shape: the check
+# then costs one trace per model and sample shape, not one per batch.
+_CLASSES: dict[Any, int | None] = {}
+
+
 def _classes(model: Any, sample: np.ndarray) -> int | None:
     """The size of the last output axis of `model` on one sample, from shapes alone (no
     compute); None when the model cannot be traced this way (the step reports that)."""
+    leaves, treedef = jax.tree.flatten(model)
+    shapes = tuple([(getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves])
+    try:
+        key = (treedef, shapes, sample.shape, str(sample.dtype))
+        hash(key)
+    except TypeError:  # a static field that does not hash: no cache
+        return _trace_classes(model, sample)
+    if key not in _CLASSES:
+        if len(_CLASSES) > 64:
+            _CLASSES.clear()
+        _CLASSES[key] = _trace_classes(model, sample)
+    return _CLASSES[key]
+
+
+def _trace_classes(model: Any, sample: np.ndarray) -> int | None:
     spec = jax.ShapeDtypeStruct(sample.shape, sample.dtype)
     for kwargs in ({}, {"key": jr.PRNGKey(0)}):
         try:
@@ -180,7 +198,8 @@ def check_batch(loss_fn: Callable[..., Any], model: Any, batch: tuple[Any, ...])
       train on the wrong class, and targets >= vocab give NaN.
 
     A user's own loss gets the finiteness check only. Time: one pass over the batch on the
-    host (the Trainer checks its first batch before any work).
+    host (device arrays are copied to the host first), and once per model and sample shape
+    a trace of the model's shapes; cheap enough for every batch.
 
     Args:
         loss_fn: the loss the step is built with.
