@@ -138,10 +138,11 @@ def test_errors_name_the_argument(planned):
         el.memory.plan(*args, budget="1GiB", target="tpu")
 
 
-def test_measured_plan_times_the_fitting_candidates():
-    def tiny(remat):
-        return el.nn.transformer_encoder(1, 16, 2, 32, key=jr.PRNGKey(0), remat=remat)
+def tiny(remat):
+    return el.nn.transformer_encoder(1, 16, 2, 32, key=jr.PRNGKey(0), remat=remat)
 
+
+def test_measured_plan_times_the_fitting_candidates():
     x = jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)
     result = el.memory.plan(
         tiny,
@@ -225,10 +226,6 @@ def test_fits_follows_from_the_budget_and_the_peak(planned):
 
 def test_plan_reports_progress_per_candidate():
     lines = []
-
-    def tiny(remat):
-        return el.nn.transformer_encoder(1, 16, 2, 32, key=jr.PRNGKey(0), remat=remat)
-
     x = jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)
     result = el.memory.plan(
         tiny,

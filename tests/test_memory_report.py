@@ -409,3 +409,16 @@ def test_per_device_report_and_plan_over_a_mesh_of_four():
 def test_parse_size_refuses_what_is_not_an_int_or_text(bad):
     with pytest.raises(TypeError, match="size must be an int"):
         el.memory.parse_size(bad)
+
+
+def test_offloaded_names_on_cpu_count_on_the_device_and_say_so(sgd_reports):
+    report = el.memory.memory_report(
+        _encoder("minimal_offloaded"), el.train.mse, optax.sgd(0.1), _batch()
+    )
+    minimal = sgd_reports["minimal"]
+    # XLA:CPU drops the host placement: the same saved activations as "minimal", no host
+    # bytes; the note says what a GPU shows instead.
+    assert report.config["remat"] == "minimal_offloaded"
+    assert report.parts["activations"] == minimal.parts["activations"]
+    assert report.host_bytes == 0
+    assert any(note.startswith("Offloading: XLA:CPU drops") for note in report.notes)

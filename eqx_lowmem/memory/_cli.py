@@ -24,6 +24,7 @@ import difflib
 import importlib
 import importlib.util
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -266,6 +267,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--measure", action="store_true", help="rank by timed steps on this device")
     p.add_argument("--steps", type=_positive("--steps"), default=3, help="timed steps (3)")
+    parser.subcommands = {"report": report, "plan": p}  # type: ignore[attr-defined]
     return parser
 
 
@@ -523,11 +525,9 @@ def _host_devices(devices: int) -> None:
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse, naming unknown options (with the closest known one) before missing ones."""
     args, extra = parser.parse_known_args(argv)
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[
-        args.command
-    ]
+    sub = parser.subcommands[args.command]  # type: ignore[attr-defined]
     if extra:
-        known = [o for a in sub._actions for o in a.option_strings]
+        known = sorted(set(re.findall(r"--[a-z][a-z-]*", sub.format_help())))
         close = difflib.get_close_matches(extra[0], known, n=1)
         hint = f" (did you mean {close[0]}?)" if close and extra[0].startswith("-") else ""
         sub.error(f"unrecognized arguments: {' '.join(extra)}{hint}")

@@ -191,6 +191,13 @@ def step_report(
             )
     else:
         trusted = {backend: "peak_bytes"}
+    remat = model_remat(model)
+    if backend == "cpu" and remat is not None and "offload" in remat:
+        notes.append(
+            "Offloading: XLA:CPU drops the host placement of offloaded names (the same "
+            "numbers, no host memory), so here they count as saved activations on the "
+            "device; on a GPU the report shows them as host memory and the device peak falls."
+        )
     if figures.get("host_temp", 0) or figures.get("host_argument", 0):
         notes.append(
             "Host memory: offloaded activations live in pinned host memory between the forward "
@@ -207,7 +214,7 @@ def step_report(
         "accumulate": step.accumulate,
         "precision": precision_name(step.policy),
         "compute_dtype": str(jnp.dtype(compute)),
-        "remat": model_remat(model),
+        "remat": remat,
         "attention": attention,
         "density": model_density(model),
         "devices": devices,
