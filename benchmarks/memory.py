@@ -7,7 +7,9 @@ model and an MLP), a fresh process compiles the training step, predicts its peak
 the same step for XLA:CPU and records its prediction and its GPU/TPU estimate (for 16-bit
 compute: the float32-compute twin's peak with 16-bit saved activations), the figures a user
 planning on a laptop would see; `cpu_estimate_error` compares that estimate with the GPU.
-On a machine without a GPU only the CPU figures are written. Also times
+The offloaded configuration keeps its saved names in pinned host memory on a GPU: the row
+records the report's host bytes (`memory_analysis().host_*`), 0 on XLA:CPU, which drops the
+placement. On a machine without a GPU only the CPU figures are written. Also times
 `eqx-lowmem report` on the guide's configuration (goal: < 30 s on CPU).
 
     python benchmarks/memory.py            # writes benchmarks/results/memory.json
@@ -33,6 +35,7 @@ _TABLE = {
     "guide_none_fp32": ("guide", False, 1, "float32"),
     "guide_dots_fp32_x2": ("guide", "dots", 2, "float32"),
     "guide_full_mixed_x4": ("guide", True, 4, "mixed_bf16"),
+    "guide_offloaded_mixed": ("guide", "minimal_offloaded", 1, "mixed_bf16"),
     "lm_minimal_mixed": ("lm", "minimal", 1, "mixed_bf16"),
     "mlp_fp32_x2": ("mlp", False, 2, "float32"),
 }
@@ -154,6 +157,7 @@ def main() -> None:
                 "predicted_peak_bytes": r["peak_bytes"],
                 "accelerator_peak_bytes": r["accelerator_peak_bytes"],
                 "parts": r["parts"],
+                "overlap_bytes": r["overlap_bytes"],
                 "report_seconds": cpu["seconds"],
             }
         if backend != "cpu":
@@ -167,6 +171,9 @@ def main() -> None:
                     "measured_peak_bytes": measured,
                     "prediction_error": predicted / measured - 1,
                     "parts": r["parts"],
+                    "overlap_bytes": r["overlap_bytes"],
+                    "host_bytes": r["host_bytes"],
+                    "attention": r["config"]["attention"],
                     "compiled": r["compiled"],
                     "report_seconds": acc["seconds"],
                 }
