@@ -153,10 +153,13 @@ def test_round_trip_is_bit_identical_for_every_leaf_kind(tmp_path):
     assert "['state'].opt_state[0].mu.layers[1].bias" in paths
 
 
-def test_meta_must_be_json(tmp_path):
+def test_meta_must_be_json_and_leaves_numeric(tmp_path):
     with pytest.raises(TypeError, match="JSON-serialisable"):
         save_checkpoint(tmp_path / "c", {"w": jnp.ones(1)}, {"f": object()})
-    assert not list(tmp_path.iterdir())
+    for leaf in (np.array(["a", "b"]), np.array([None], object), np.zeros(1, [("a", "f4")])):
+        with pytest.raises(TypeError, match=r"leaf \['names'\] has dtype .* does not store"):
+            save_checkpoint(tmp_path / "c", {"names": leaf, "w": jnp.ones(1)}, {})
+    assert not list(tmp_path.iterdir())  # refused before anything is written
 
 
 # ------------------------------------------------------------------------- integrity

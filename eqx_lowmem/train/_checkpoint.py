@@ -75,6 +75,12 @@ def _expected(x: Any) -> tuple[str, tuple[int, ...], str]:
     return "array", tuple(x.shape), str(jnp.dtype(x.dtype))
 
 
+def _numeric(dtype: np.dtype) -> bool:
+    if dtype.fields is not None or dtype.hasobject:
+        return False
+    return bool(jnp.issubdtype(dtype, jnp.number) or dtype == np.dtype(bool))
+
+
 def _dtype(name: str, path: Path) -> np.dtype:
     """The numeric dtype a header names; anything else (objects, strings) is corruption."""
     try:
@@ -161,6 +167,12 @@ def save_checkpoint(path: str | os.PathLike, tree: Any, meta: dict[str, Any]) ->
     records: list[dict[str, Any]] = []
     offset = 0
     for p, x in leaves:
+        if not _is_key_dtype(x.dtype) and not _numeric(np.dtype(x.dtype)):
+            raise TypeError(
+                f"save_checkpoint: leaf {p} has dtype {x.dtype}, which a checkpoint does not "
+                "store (numbers, booleans and PRNG keys only); keep strings and objects out "
+                "of the arrays of the tree (e.g. as a static field), or in `meta`."
+            )
         kind, shape, dtype = _expected(x)
         record: dict[str, Any] = {"path": p, "kind": kind, "dtype": dtype, "shape": list(shape)}
         if kind == "key":
