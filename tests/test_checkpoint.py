@@ -470,3 +470,12 @@ def test_two_processes_save_and_load_a_sharded_state(tmp_path):
     assert [q.name for q in tmp_path.iterdir()] == [CHECKPOINT_NAME]
     tree, _ = load_checkpoint(path, {"w": jnp.zeros((8, 4)), "b": jnp.zeros(4)})
     assert tree["w"].tolist() == np.arange(32.0).reshape(8, 4).tolist()
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads any file")
+def test_an_unreadable_checkpoint_is_a_checkpoint_error(tmp_path):
+    p = tmp_path / CHECKPOINT_NAME
+    save_checkpoint(p, {"w": jnp.ones(2)}, {})
+    p.chmod(0)
+    with pytest.raises(CheckpointError, match="cannot be opened"):
+        read_meta(p)

@@ -555,3 +555,8 @@ def test_an_iterator_source_must_give_a_fresh_iterator_each_epoch():
     assert ids(stream) == [[0, 1], [2, 3]]
     with pytest.raises(ValueError, match=r"no batches in epoch 2 \(0 samples\)"):
         list(stream)
+
+
+def test_process_arguments_must_be_ints():
+    with pytest.raises(TypeError, match="process_index"):
+        DataStream((np.arange(4),), 2, process_index=True, process_count=2)

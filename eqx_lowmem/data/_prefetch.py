@@ -88,7 +88,7 @@ class Batches(Iterator[Any]):
     def __init__(self, generator: Generator[Any, None, None]):
         self._generator = generator
 
-    def __iter__(self) -> "Batches":
+    def __iter__(self):
         return self
 
     def __next__(self) -> Any:
@@ -98,7 +98,7 @@ class Batches(Iterator[Any]):
         """Stop the background thread and wait for it; the iterator is then exhausted."""
         self._generator.close()
 
-    def __enter__(self) -> "Batches":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: Any) -> None:

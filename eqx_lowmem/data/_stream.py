@@ -190,6 +190,11 @@ class DataStream:
             )
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
+        if not (_is_int(process_index) and _is_int(process_count)):
+            raise TypeError(
+                f"process_index={process_index!r} and process_count={process_count!r}; "
+                "expected ints."
+            )
         if not 0 <= process_index < process_count:
             raise ValueError(
                 f"process_index={process_index} with process_count={process_count}; expected "
@@ -332,9 +337,7 @@ class DataStream:
         """The batches from the current position to the end of its epoch."""
         return self._serve(None)
 
-    def prefetch(
-        self, *, depth: int = 2, sharding: jax.sharding.Sharding | None = None
-    ) -> "Batches":
+    def prefetch(self, *, depth: int = 2, sharding: jax.sharding.Sharding | None = None) -> Batches:
         """Like `iter(stream)`, with each batch read and put on the device by a background
         thread `depth` batches ahead, so loading overlaps the step. `state()` counts the
         batches handed to the caller, not those read ahead.

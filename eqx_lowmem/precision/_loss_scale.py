@@ -64,7 +64,7 @@ class DynamicLossScale(eqx.Module):
 
         return jax.tree.map(one, grads)
 
-    def adjust(self, finite: Bool[ArrayLike, ""]) -> "DynamicLossScale":
+    def adjust(self, finite: Bool[ArrayLike, ""]):
         """The scale after an update whose gradients were (`True`) or were not all finite.
 
         `GradScaler`'s rule: not finite -> scale * backoff, good steps 0. Finite -> good

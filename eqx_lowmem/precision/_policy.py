@@ -124,7 +124,7 @@ PRESETS: dict[str, Policy] = {
 }
 
 
-def get_policy(policy: "str | Policy | None") -> Policy:
+def get_policy(policy: str | Policy | None) -> Policy:
     """A `Policy` from a preset name (`eqx_lowmem.precision.PRESETS`), a `Policy`, or None.
 
     Raises:

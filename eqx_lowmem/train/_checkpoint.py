@@ -224,6 +224,10 @@ class _Reader:
             self._f: BinaryIO = open(self.path, "rb")
         except IsADirectoryError:
             raise CheckpointError(f"{self.path} is a directory, not a checkpoint file.") from None
+        except FileNotFoundError:
+            raise
+        except OSError as e:  # permissions, I/O errors
+            raise CheckpointError(f"{self.path} cannot be opened: {e}") from e
         try:
             self._size = os.fstat(self._f.fileno()).st_size
             self._read_header()
@@ -234,7 +238,7 @@ class _Reader:
     def close(self) -> None:
         self._f.close()
 
-    def __enter__(self) -> "_Reader":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: Any) -> None:
