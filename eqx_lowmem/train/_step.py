@@ -761,7 +761,3 @@ def make_step(
         jit=jit,
     )
     return Step(config)
-
-
-# Until memory/ calls `_loss.call_loss` (in progress): the old private name.
-_accepts_key = accepts_key
