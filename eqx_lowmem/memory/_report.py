@@ -1,5 +1,6 @@
 """Where the memory of a training step goes, from compilation alone."""
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any, Literal
@@ -84,7 +85,7 @@ def float32_twin(policy: Policy) -> Policy | None:
     """
     if jax.default_backend() != "cpu" or policy.compute_dtype.itemsize != 2:
         return None
-    return Policy(policy.param_dtype, jnp.float32, policy.output_dtype)
+    return dataclasses.replace(policy, compute_dtype=jnp.float32)
 
 
 def _devices(mesh: Mesh | None, data_axis: str) -> int:
