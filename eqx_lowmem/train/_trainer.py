@@ -75,7 +75,7 @@ def _int_arg(name: str, value: Any, minimum: int, none: bool = False) -> None:
 def _seconds_arg(name: str, value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be None or a number of seconds > 0, got {value!r}.")
 
 
@@ -169,7 +169,7 @@ class Trainer:
         model_state: Any = None,
         mesh: Mesh | None = None,
         data_axis: str = "data",
-        shard: str = "data",
+        shard: Literal["data", "fsdp"] = "data",
         after_update: Callable[..., Any] | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
