@@ -1,6 +1,8 @@
 """LayerNorm that always normalises in float32, with a backward pass that keeps only its input."""
 
 import functools
+import math
+from typing import TypeAlias
 
 import equinox as eqx
 import jax
@@ -72,3 +74,211 @@ class LayerNorm(eqx.Module):
     @jax.named_scope("eqx_lowmem.nn.LayerNorm")
     def __call__(self, x: Float[Array, "*shape size"]) -> Float[Array, "*shape size"]:
         return _layer_norm(x, self.weight, self.bias, self.eps)
+
+
+BatchStats: TypeAlias = tuple[Array, Array]  # (running mean, running variance), float32 (C,)
+
+
+def _channels(v: Array, ndim: int) -> Array:
+    """A per-channel vector shaped to broadcast along axis 0 of an `ndim`-dimensional array."""
+    return v.astype(jnp.float32).reshape((-1,) + (1,) * (ndim - 1))
+
+
+# BatchNorm's autodiff would keep the centred input, the normalised input, the ReLU mask
+# and the output: four activation-sized buffers per layer. The two custom backward passes
+# below keep only the input (which the layer before keeps anyway) and recompute the rest,
+# the ReLU's mask included, element-wise. Neither backward pass needs a collective: the
+# batch reductions stay in plain, differentiated code.
+
+
+@jax.custom_vjp
+def _moments(x: Array, shift: Array) -> tuple[Array, Array]:
+    """Per-channel mean of `x - shift` and of its square over one example's spatial axes."""
+    d = x.astype(jnp.float32) - _channels(shift, x.ndim)
+    axes = tuple(range(1, x.ndim))
+    return jnp.mean(d, axis=axes), jnp.mean(jnp.square(d), axis=axes)
+
+
+def _moments_fwd(x, shift):
+    return _moments(x, shift), (x, shift)
+
+
+def _moments_bwd(res, cot):
+    x, shift = res
+    d1, d2 = cot
+    n = math.prod(x.shape[1:])
+    d = x.astype(jnp.float32) - _channels(shift, x.ndim)
+    dx = (_channels(d1, x.ndim) + 2.0 * d * _channels(d2, x.ndim)) / n
+    return dx.astype(x.dtype), jnp.zeros_like(shift)
+
+
+_moments.defvjp(_moments_fwd, _moments_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _normalise(x: Array, mean: Array, rstd: Array, weight: Array, bias: Array, relu: bool):
+    """`act((x - mean) * rstd * weight + bias)` in float32, in `x`'s dtype."""
+    x32 = x.astype(jnp.float32)
+    k = x.ndim
+    y = (x32 - _channels(mean, k)) * _channels(rstd * weight, k) + _channels(bias, k)
+    return (jax.nn.relu(y) if relu else y).astype(x.dtype)
+
+
+def _normalise_fwd(x, mean, rstd, weight, bias, relu):
+    return _normalise(x, mean, rstd, weight, bias, relu), (x, mean, rstd, weight, bias)
+
+
+def _normalise_bwd(relu, res, dy):
+    x, mean, rstd, weight, bias = res
+    k = x.ndim
+    g = dy.astype(jnp.float32)
+    axes = tuple(range(1, k))
+    xhat = (x.astype(jnp.float32) - _channels(mean, k)) * _channels(rstd, k)
+    if relu:  # the ReLU's mask, recomputed from the input rather than kept
+        g = jnp.where(xhat * _channels(weight, k) + _channels(bias, k) > 0, g, 0.0)
+    dweight = jnp.sum(g * xhat, axis=axes)
+    dbias = jnp.sum(g, axis=axes)
+    gw = g * _channels(weight, k)
+    dx = gw * _channels(rstd, k)
+    dmean = -jnp.sum(dx, axis=axes)
+    drstd = jnp.sum(gw * xhat, axis=axes) / rstd
+    return (
+        dx.astype(x.dtype),
+        dmean.astype(mean.dtype),
+        drstd.astype(rstd.dtype),
+        dweight.astype(weight.dtype),
+        dbias.astype(bias.dtype),
+    )
+
+
+_normalise.defvjp(_normalise_fwd, _normalise_bwd)
+
+
+def _batch_size(axis_name: str) -> Array:
+    try:
+        return jax.lax.psum(jnp.ones((), jnp.float32), axis_name)
+    except NameError as e:
+        raise ValueError(
+            f"BatchNorm computes batch statistics over the vmapped axis {axis_name!r}, which "
+            "is not bound here. Call the model under "
+            f"jax.vmap(model, axis_name={axis_name!r}, in_axes=(0, None), out_axes=(0, None))"
+            "(x, state), or switch to the running statistics with "
+            "eqx.nn.inference_mode(model)."
+        ) from e
+
+
+class BatchNorm(eqx.Module):
+    """Batch normalisation of one example's channels (axis 0), in float32 whatever the dtype.
+
+    Training mode normalises with the statistics of the batch being vmapped over
+    (`jax.vmap(..., axis_name=axis_name)`), over the batch and every spatial position, and
+    returns running statistics updated the way PyTorch's `BatchNorm2d` updates them
+    (`running = (1 - momentum) * running + momentum * batch`, the unbiased variance).
+    Inference mode (`inference=True`, set on a whole model with
+    `eqx.nn.inference_mode(model)`) normalises with the running statistics and leaves
+    them as they are. Statistics, the normalisation and the state are float32 even when
+    the input and the parameters are 16-bit (the paper keeps BatchNorm in FP32); the output
+    has the input's dtype.
+
+    Memory: the backward pass keeps only the input and recomputes the normalised values
+    (and with `relu=True` the ReLU's mask) element-wise, where plain autodiff would keep
+    four activation-sized buffers.
+
+    Unlike `eqx.nn.BatchNorm`, the statistics are passed and returned explicitly
+    (`(mean, var)`, float32 `(channels,)`), so a stack of blocks can carry them as arrays.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> bn = BatchNorm(3)
+        >>> x = jnp.arange(24.0).reshape(4, 3, 2)  # (batch, channels, width)
+        >>> y, stats = jax.vmap(bn, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+        ...     x, bn.init_stats())
+        >>> y.shape, stats[0].dtype
+        ((4, 3, 2), dtype('float32'))
+    """
+
+    weight: Array
+    bias: Array
+    channels: int = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+    momentum: float = eqx.field(static=True)
+    axis_name: str = eqx.field(static=True)
+    inference: bool = False
+
+    def __init__(
+        self,
+        channels: int,
+        *,
+        eps: float = 1e-5,
+        momentum: float = 0.1,
+        axis_name: str = "batch",
+        inference: bool = False,
+    ):
+        """Args:
+        channels: size of axis 0 of an example.
+        eps: added to the variance.
+        momentum: weight of the new batch statistics in the running ones (PyTorch's 0.1).
+        axis_name: the `jax.vmap` axis name of the batch.
+        inference: use the running statistics (see `eqx.nn.inference_mode`).
+        """
+        if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
+            raise ValueError(f"channels must be a positive int, got {channels!r}.")
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"momentum must be in [0, 1], got {momentum!r}.")
+        self.weight = jnp.ones((channels,), jnp.float32)
+        self.bias = jnp.zeros((channels,), jnp.float32)
+        self.channels = channels
+        self.eps = eps
+        self.momentum = momentum
+        self.axis_name = axis_name
+        self.inference = inference
+
+    def init_stats(self) -> BatchStats:
+        """Running statistics before training: mean 0, variance 1."""
+        return jnp.zeros((self.channels,), jnp.float32), jnp.ones((self.channels,), jnp.float32)
+
+    @jax.named_scope("eqx_lowmem.nn.BatchNorm")
+    def __call__(
+        self, x: Float[Array, "channels ..."], stats: BatchStats, *, relu: bool = False
+    ) -> tuple[Float[Array, "channels ..."], BatchStats]:
+        """Normalise one example (then apply a ReLU if `relu`).
+
+        Returns:
+            The output (the input's dtype) and the new running statistics.
+        """
+        if x.ndim < 1 or x.shape[0] != self.channels:
+            raise ValueError(
+                f"BatchNorm({self.channels}) expects one example with {self.channels} "
+                f"channels on axis 0, got shape {x.shape}; jax.vmap over the batch."
+            )
+        running_mean, running_var = stats
+        if self.inference:
+            mean, var, new_stats = running_mean, running_var, stats
+        else:
+            n = _batch_size(self.axis_name) * math.prod(x.shape[1:])
+            axes = tuple(range(1, x.ndim))
+            # Shifted moments: E[(x - s)] and E[(x - s)^2] with s the batch mean (no
+            # gradient), as accurate as a two-pass variance.
+            shift = jax.lax.stop_gradient(
+                jax.lax.pmean(jnp.mean(x.astype(jnp.float32), axis=axes), self.axis_name)
+            )
+            m1, m2 = jax.lax.pmean(_moments(x, shift), self.axis_name)
+            mean = shift + m1
+            var = jnp.maximum(m2 - jnp.square(m1), 0.0)
+            m = self.momentum
+            batch_mean, batch_var = jax.lax.stop_gradient((mean, var))
+            unbiased = batch_var * (n / jnp.maximum(n - 1.0, 1.0))
+            new_stats = (
+                ((1.0 - m) * running_mean + m * batch_mean).astype(jnp.float32),
+                ((1.0 - m) * running_var + m * unbiased).astype(jnp.float32),
+            )
+        rstd = jax.lax.rsqrt(var + self.eps)
+        y = _normalise(
+            x,
+            mean,
+            rstd,
+            self.weight.astype(jnp.float32),
+            self.bias.astype(jnp.float32),
+            relu,
+        )
+        return y, new_stats
