@@ -166,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--plot", metavar="PATH", help="also write a PNG plot (needs matplotlib)")
     out.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
 
-    common = dict(
+    common: dict[str, Any] = dict(
         allow_abbrev=False, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser = argparse.ArgumentParser(

@@ -119,14 +119,14 @@ class Cost(NamedTuple):
     flops_16bit: float = 0.0
     matmul_flops_16bit: float = 0.0
 
-    def __add__(self, other: "Cost") -> "Cost":  # type: ignore[override]
+    def __add__(self, other):  # type: ignore[override]
+        """Field by field: the cost of running both."""
         return Cost(*(a + b for a, b in zip(self, other, strict=True)))
 
-    def scale(self, n: int | float) -> "Cost":
+    def scale(self, n: int | float):
         """Every count but `unknown_loops` times `n` (a loop run `n` times)."""
-        return Cost(
-            *(v if f == "unknown_loops" else v * n for f, v in zip(self._fields, self, strict=True))
-        )
+        flops, matmul, transcendentals, unknown, half, half_matmul = self
+        return Cost(flops * n, matmul * n, transcendentals * n, unknown, half * n, half_matmul * n)
 
 
 class Throughput(NamedTuple):

@@ -124,23 +124,6 @@ def _throughput(target: str, backend: str, rank_for: str | Throughput | None) ->
     return THROUGHPUTS.get(rank_device(target, backend, rank_for), THROUGHPUTS["gpu"])
 
 
-def _rank(c: Candidate, plan: "Plan") -> tuple:
-    """A fixed total order of candidates, so that smaller budgets never pick larger peaks.
-
-    Densest first (sparsity changes the model: a sparser one only when no denser fits);
-    then by measured seconds (`measure=True`) or by the estimated time of the step on the
-    device kind ranked for (`relative_time` of its FLOPs, matrix products and other work,
-    each at its dtype's rate); equal ones go to fewer micro-batches, replicated parameters
-    (no gathers), fewer FLOPs, and the smaller peak.
-    """
-    density = 1.0 if c.density is None else c.density
-    if plan.ranked_by == "measured":
-        speed = c.seconds if c.seconds is not None else math.inf
-    else:
-        speed = relative_time(c.report.cost, _throughput(plan.target, plan.backend, plan.rank_for))
-    return (-density, speed, c.accumulate, SHARDS.index(c.shard), c.flops, c.peak_bytes)
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """The planner's answer: the chosen combination and every candidate.
@@ -169,7 +152,7 @@ class Plan:
     rank_for: str | Throughput | None = None
     skipped: tuple[str, ...] = ()
 
-    def within(self, budget: int | str) -> "Plan":
+    def within(self, budget: int | str):
         """The same candidates chosen under another budget, without compiling again.
 
         Raises:
@@ -272,6 +255,23 @@ class Plan:
         if path is not None:
             write_json(path, payload)
         return json.dumps(payload, indent=2)
+
+
+def _rank(c: Candidate, plan: Plan) -> tuple:
+    """A fixed total order of candidates, so that smaller budgets never pick larger peaks.
+
+    Densest first (sparsity changes the model: a sparser one only when no denser fits);
+    then by measured seconds (`measure=True`) or by the estimated time of the step on the
+    device kind ranked for (`relative_time` of its FLOPs, matrix products and other work,
+    each at its dtype's rate); equal ones go to fewer micro-batches, replicated parameters
+    (no gathers), fewer FLOPs, and the smaller peak.
+    """
+    density = 1.0 if c.density is None else c.density
+    if plan.ranked_by == "measured":
+        speed = c.seconds if c.seconds is not None else math.inf
+    else:
+        speed = relative_time(c.report.cost, _throughput(plan.target, plan.backend, plan.rank_for))
+    return (-density, speed, c.accumulate, SHARDS.index(c.shard), c.flops, c.peak_bytes)
 
 
 def _choose(plan: Plan) -> Plan:

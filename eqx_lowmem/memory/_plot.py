@@ -43,25 +43,25 @@ def _figure(width: float, height: float) -> Any:
     return fig
 
 
-def _unit(max_bytes: "int | float") -> tuple[str, float]:
+def _unit(max_bytes: int | float) -> tuple[str, float]:
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if max_bytes >= scale:
             return unit, float(scale)
     return "B", 1.0
 
 
-def _save(fig: Any, path: "str | os.PathLike[str] | None", dpi: int) -> None:
+def _save(fig: Any, path: str | os.PathLike[str] | None, dpi: int) -> None:
     if path is not None:
         atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
 
 
 def plot_report(
-    reports: "MemoryReport | Sequence[MemoryReport]",
-    path: "str | os.PathLike[str] | None" = None,
+    reports: MemoryReport | Sequence[MemoryReport],
+    path: str | os.PathLike[str] | None = None,
     *,
     kind: str = "bar",
     labels: Sequence[str] | None = None,
-    budget: "int | None" = None,
+    budget: int | None = None,
     title: str | None = None,
     dpi: int = 150,
 ) -> Any:
@@ -117,7 +117,7 @@ def _default_label(r: MemoryReport) -> str:
     return f"remat={c['remat']}\naccumulate={c['accumulate']}\n{c['precision']}"
 
 
-def _bars(reports: list[MemoryReport], labels: list[str], budget: "int | None") -> Any:
+def _bars(reports: list[MemoryReport], labels: list[str], budget: int | None) -> Any:
     fig = _figure(max(6.5, 1.8 * len(reports) + 4.0), 5.2)
     ax = fig.add_subplot()
     top = max([max(r.peak_bytes, r.measured_peak_bytes or 0) for r in reports] + [budget or 0])
@@ -243,7 +243,7 @@ def _patch(colour: str, label: str) -> Any:
 
 def plot_plan(
     plan: Plan,
-    path: "str | os.PathLike[str] | None" = None,
+    path: str | os.PathLike[str] | None = None,
     *,
     title: str | None = None,
     dpi: int = 150,

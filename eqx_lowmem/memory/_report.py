@@ -391,7 +391,7 @@ def memory_report(
         >>> sum(report.parts.values()) == report.peak_bytes + report.overlap_bytes
         True
     """
-    options = dict(
+    options: dict[str, Any] = dict(
         accumulate=accumulate,
         loss_scale=loss_scale,
         has_state=has_state,
@@ -400,7 +400,7 @@ def memory_report(
         shard=shard,
     )
     step = build_step(loss_fn, optimizer, precision=precision, **options)
-    common = dict(
+    common: dict[str, Any] = dict(
         has_state=has_state,
         model_state=model_state,
         key=key,
