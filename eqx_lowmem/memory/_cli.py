@@ -40,7 +40,7 @@ import optax
 
 from ..nn import PRESETS as REMAT_PRESETS
 from ..precision._policy import PRESETS as PRECISION_PRESETS
-from ._plan import ACCUMULATES, PRECISIONS, TARGETS, BudgetError, plan
+from ._plan import ACCUMULATES, PRECISIONS, TARGETS, BudgetError, default_remats, plan
 from ._report import SHARDS, memory_report
 from ._units import parse_size
 
@@ -225,8 +225,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--remats",
         type=_csv(str, REMAT_PRESETS),
-        default=list(REMAT_PRESETS),
-        help=f"comma-separated ({','.join(REMAT_PRESETS)})",
+        default=None,
+        help=f"comma-separated, of {','.join(REMAT_PRESETS)} (all; on CPU without the "
+        "offloaded one, which compiles as minimal there)",
     )
     p.add_argument(
         "--accumulates",
@@ -468,7 +469,8 @@ def _report(args, factory, spec: str, user: bool, mesh) -> None:
 
 
 def _plan(args, factory, spec: str, user: bool, mesh) -> None:
-    _, loss_fn, batch, optimizer = _build(factory, args.remats[0], spec, False, user)
+    remats = args.remats or list(default_remats())
+    _, loss_fn, batch, optimizer = _build(factory, remats[0], spec, False, user)
     optimizer = optimizer or OPTIMIZERS[args.optimizer]()
 
     def make_model(remat):
@@ -487,7 +489,7 @@ def _plan(args, factory, spec: str, user: bool, mesh) -> None:
             optimizer,
             batch,
             budget=args.budget,
-            remats=args.remats,
+            remats=remats,
             accumulates=args.accumulates,
             precisions=args.precisions,
             densities=args.densities,

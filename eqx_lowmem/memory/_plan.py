@@ -323,6 +323,14 @@ def _check_densities(densities: Sequence[Any]) -> None:
             )
 
 
+def default_remats() -> tuple[str, ...]:
+    """The remat presets a plan tries by default: all of them, less the offloaded one on
+    XLA:CPU (which compiles it as its device-only twin)."""
+    if jax.default_backend() == "cpu":
+        return tuple(r for r in REMAT_PRESETS if "offload" not in r)
+    return tuple(REMAT_PRESETS)
+
+
 def _sparsify(model: Any, density: float | None, key: Any) -> Any:
     if density is None:
         return model
@@ -343,7 +351,7 @@ def plan(
     batch: Any,
     *,
     budget: int | str,
-    remats: Sequence[Any] = REMAT_PRESETS,
+    remats: Sequence[Any] | None = None,
     accumulates: Sequence[int] = ACCUMULATES,
     precisions: Sequence[str | Policy] = PRECISIONS,
     densities: Sequence[float | None] = (None,),
@@ -394,7 +402,9 @@ def plan(
         optimizer: an optax optimizer.
         batch: the whole batch of one update: a tuple of arrays or `jax.ShapeDtypeStruct`s.
         budget: bytes (per device with a mesh), or a size such as `"2GiB"`, `"1.5GB"`.
-        remats: recomputation settings to try (default: every `eqx_lowmem.nn.PRESETS`).
+        remats: recomputation settings to try. Default: every `eqx_lowmem.nn.PRESETS` name;
+            on XLA:CPU without `"minimal_offloaded"` (the CPU drops its host placement, so
+            it compiles to `"minimal"` there).
         accumulates: numbers of micro-batches to try (ints >= 1); those that do not divide
             the batch (times the devices) are skipped (listed in `Plan.skipped`).
         precisions: `eqx_lowmem.precision.PRESETS` names or `Policy`s to try.
@@ -447,6 +457,8 @@ def plan(
         )
     if shards is None:
         shards = SHARDS if mesh is not None else ("data",)
+    if remats is None:
+        remats = default_remats()
     remats, accumulates, precisions = tuple(remats), tuple(accumulates), tuple(precisions)
     densities, shards = tuple(densities), tuple(shards)
     if not (remats and accumulates and precisions and densities and shards):
