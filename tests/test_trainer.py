@@ -405,3 +405,22 @@ def test_the_callback_gets_the_update_within_the_epoch_and_of_the_run():
     trainer = _trainer(callback=lambda t, m: seen.append((m["epoch"], m["update"], m["updates"])))
     trainer.fit(X, y, epochs=2, micro_batch=32, key=jr.PRNGKey(1))
     assert seen == [(0, 1, 1), (0, 2, 2), (1, 1, 3), (1, 2, 4)]
+
+
+def test_after_update_and_shard_pass_through_to_the_step():
+    X, y = _guide_data()
+
+    def zero_last_bias(state, info):  # runs inside the step, after each applied update
+        model = eqx.tree_at(lambda m: m.layers[-1].bias, state.model, replace_fn=jnp.zeros_like)
+        return eqx.tree_at(lambda s: s.model, state, model)
+
+    hooked = _trainer(after_update=zero_last_bias)
+    hooked.fit(X, y, epochs=1, micro_batch=16, key=jr.PRNGKey(1))
+    assert bool(jnp.all(hooked.model.layers[-1].bias == 0))
+    plain = _trainer()
+    plain.fit(X, y, epochs=1, micro_batch=16, key=jr.PRNGKey(1))
+    # (shard="fsdp" is passed the same way; tests/test_subprocess.py runs the Trainer on
+    # 4 devices.)
+    meshed = _trainer(mesh=jax.make_mesh((1,), ("data",)), shard="data")
+    meshed.fit(X, y, epochs=1, micro_batch=16, key=jr.PRNGKey(1))
+    assert tree_allclose(meshed.model, plain.model, rtol=1e-6, atol=1e-7)
