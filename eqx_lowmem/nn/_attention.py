@@ -20,7 +20,6 @@ import math
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._chunk import map_chunks
@@ -200,35 +199,14 @@ def _attend(
 
 
 def _fused_call(q: Array, k: Array, v: Array, causal: bool, implementation: str) -> Array:
-    # JAX's own attention promotes 16-bit inputs against float32 internally, which the strict
-    # dtype promotion mode rejects; the promotion is JAX's, not the caller's.
+    # JAX's own attention promotes 16-bit inputs against float32 inside, which the strict
+    # dtype promotion mode rejects while tracing; the promotion is JAX's, not the caller's.
+    # (Its backward pass in 16 bits also lowers a bf16 x bf16 -> f32 dot that strict mode
+    # rejects when the program is lowered: differentiate it under standard promotion.)
     with jax.numpy_dtype_promotion("standard"):
         return jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation=implementation
         )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused_16bit(q: Array, k: Array, v: Array, causal: bool, implementation: str) -> Array:
-    """`_fused_call` whose backward pass also runs under standard promotion (its transposes
-    are traced outside any context manager of the forward). The residuals are exactly the
-    ones `jax.vjp` of the fused call keeps."""
-    return _fused_call(q, k, v, causal, implementation)
-
-
-def _fused_16bit_fwd(q, k, v, causal, implementation):
-    with jax.numpy_dtype_promotion("standard"):
-        out, vjp = jax.vjp(lambda q, k, v: _fused_call(q, k, v, causal, implementation), q, k, v)
-    return out, vjp
-
-
-def _fused_16bit_bwd(causal, implementation, vjp, g):
-    del causal, implementation
-    with jax.numpy_dtype_promotion("standard"):
-        return vjp(g)
-
-
-_fused_16bit.defvjp(_fused_16bit_fwd, _fused_16bit_bwd)
 
 
 def attention(
@@ -288,6 +266,4 @@ def attention(
                 f"attention='cudnn' cannot run here: {reason}. Use attention='auto' (cuDNN "
                 "where it can run, the chunked attention elsewhere) or 'xla'."
             )
-    if np.dtype(q.dtype) == np.float32:
-        return _fused_call(q, k, v, causal, implementation)
-    return _fused_16bit(q, k, v, causal, implementation)
+    return _fused_call(q, k, v, causal, implementation)

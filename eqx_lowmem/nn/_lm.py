@@ -40,12 +40,13 @@ class CausalLM(eqx.Module):
         scan: bool = True,
         segment: int | Literal["sqrt"] | None = None,
         chunk_size: int | None | Literal["auto"] = "auto",
+        attention: str = "auto",
     ):
         """Args:
         vocab_size: number of token ids.
         max_seq: longest sequence the position embedding covers.
-        n_layers, d_model, n_heads, d_ff, dropout, remat, scan, segment, chunk_size: as
-            `transformer_encoder` (the encoder is always causal).
+        n_layers, d_model, n_heads, d_ff, dropout, remat, scan, segment, chunk_size,
+            attention: as `transformer_encoder` (the encoder is always causal).
         key: PRNG key for the initial weights.
         """
         for name, value in (("vocab_size", vocab_size), ("max_seq", max_seq)):
@@ -66,6 +67,7 @@ class CausalLM(eqx.Module):
             scan=scan,
             segment=segment,
             chunk_size=chunk_size,
+            attention=attention,
         )
         self.ln_f = LayerNorm(d_model)
         self.head = eqx.nn.Linear(d_model, vocab_size, key=head_key)
