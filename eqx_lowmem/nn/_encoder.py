@@ -60,12 +60,13 @@ def transformer_encoder(
     scan: bool = True,
     segment: int | Literal["sqrt"] | None = None,
     chunk_size: int | None | Literal["auto"] = "auto",
+    attention: str = "auto",
 ) -> TransformerEncoder:
     """A stack of `n_layers` `TransformerBlock`s, parameters stacked with `eqx.filter_vmap`.
 
     Args:
         n_layers: number of blocks.
-        d_model, n_heads, d_ff, dropout, causal, chunk_size: as `TransformerBlock`.
+        d_model, n_heads, d_ff, dropout, causal, chunk_size, attention: as `TransformerBlock`.
         key: PRNG key for the initial weights.
         remat: each block's recomputation (`TransformerBlock`): `False`, `True`/`"full"`,
             `"dots"`, `"minimal"`, `"minimal_offloaded"` or `Save(*names, offload=...)`.
@@ -108,6 +109,7 @@ def transformer_encoder(
             causal=causal,
             remat=remat,
             chunk_size=chunk_size,
+            attention=attention,
         )
 
     blocks = eqx.filter_vmap(make_block)(jr.split(key, n_layers))
