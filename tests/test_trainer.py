@@ -131,7 +131,9 @@ def test_accumulate_must_be_positive():
 
 def test_nonfinite_loss_stops_before_the_update_and_the_checkpoint(tmp_path):
     X, y = _guide_data()
-    y = y.at[40].set(jnp.inf)  # the third update of the first epoch (batches of 16)
+    # The third update of the first epoch (batches of 16): finite data (the data check passes)
+    # whose squared error overflows float32.
+    y = y.at[40].set(1e30)
     model = el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0))
     seen = []
     trainer = el.train.Trainer(
@@ -349,7 +351,7 @@ def test_consecutive_skipped_updates_stop_with_a_clear_error_and_no_thread_left(
 
 def test_a_nonfinite_loss_leaves_the_last_good_state_and_no_thread(tmp_path):
     X, y = _guide_data()
-    y = y.at[40].set(jnp.inf)  # the third update (batches of 16)
+    y = y.at[40].set(1e30)  # the third update (batches of 16): its squared error is inf
     trainer = _trainer(checkpoint_dir=tmp_path, checkpoint_every=1)
     with pytest.raises(FloatingPointError, match="last good state"):
         trainer.fit(X, y, epochs=1, micro_batch=16, key=jr.PRNGKey(1), shuffle=False)
@@ -424,3 +426,14 @@ def test_after_update_and_shard_pass_through_to_the_step():
     meshed = _trainer(mesh=jax.make_mesh((1,), ("data",)), shard="data")
     meshed.fit(X, y, epochs=1, micro_batch=16, key=jr.PRNGKey(1))
     assert tree_allclose(meshed.model, plain.model, rtol=1e-6, atol=1e-7)
+
+
+def test_bad_labels_in_a_later_batch_stop_before_that_update():
+    X, _ = _guide_data()
+    labels = np.zeros(64, np.int32)
+    labels[58] = 7  # the model has 3 classes; samples 56-63: micro-batch 2 of update 4
+    trainer = _trainer(model=el.nn.mlp([2, 4, 3], key=jr.PRNGKey(0)), loss=el.train.cross_entropy,
+                       accumulate=2)  # fmt: skip
+    with pytest.raises(ValueError, match="micro-batch 2 of update 4 of epoch 1 .*batch\\[1\\]"):
+        trainer.fit(X, labels, epochs=1, micro_batch=8, key=jr.PRNGKey(1), shuffle=False)
+    assert int(trainer.state.step) == 3 and trainer.updates == 3

@@ -179,6 +179,7 @@ class Trainer:
         progress: bool | Literal["bar", "log"] = True,
         log_seconds: float | int = 30.0,
         interrupt: Literal["exit", "raise"] = "exit",
+        check_data: bool = True,
         config: dict[str, Any] | None = None,
         check_resume: bool = True,
         callback: Callable[["Trainer", dict[str, Any]], None] | None = None,
@@ -221,6 +222,11 @@ class Trainer:
             update N; run again to resume" (exit status 130), or `"raise"`s
             KeyboardInterrupt (for notebooks: `trainer.state` is the saved state). A second
             Ctrl-C stops at once, without saving.
+        check_data: check every micro-batch on the host before its update for data a loss
+            would silently accept (`eqx_lowmem.train._losses.check_batch`: NaN or inf, and
+            labels or token ids outside the model's classes for the built-in losses). Time:
+            one pass over each batch on the host (on a GPU, a copy of it back). False
+            checks only the first batch.
         config: a JSON-serialisable dict of your own settings (model size, data file, ...)
             recorded in every checkpoint; a rerun with a different one is refused.
         check_resume: refuse to resume a checkpoint made with other settings: the
@@ -279,6 +285,7 @@ class Trainer:
         self.progress = progress
         self.log_seconds = log_seconds
         self.interrupt = interrupt
+        self.check_data = check_data
         self.config = config
         self.check_resume = check_resume
         self.callback = callback
@@ -429,6 +436,13 @@ class Trainer:
         try:
             for micro in _groups(batches, self.accumulate):
                 served = True
+                if self.check_data:
+                    try:
+                        self._check_data(micro, run, epoch)
+                    except ValueError:
+                        if pending is not None:  # keep the state and the history in step
+                            self._finish(run, bar, *pending)
+                        raise
                 batch, weights = self._assemble(micro, stream.batch_size)
                 assert self.state is not None
                 self.state, metrics = self.step_fn(self.state, batch, weights)
@@ -459,6 +473,17 @@ class Trainer:
         if run.partial["epoch"] == epoch:  # the epoch ended without its last update
             self._close_epoch(run, epoch)
             self._act(run)
+
+    def _check_data(self, micro: list[tuple], run: "_Run", epoch: int) -> None:
+        assert self.state is not None
+        for i, m in enumerate(micro):
+            try:
+                check_batch(self.loss, self.state.model, tuple(m))
+            except ValueError as e:
+                raise ValueError(
+                    f"micro-batch {i + 1} of update {run.partial['updates'] + 1} of epoch "
+                    f"{epoch + 1} (before that update; check_data=False skips this check): {e}"
+                ) from e
 
     def _decision_due(self, run: "_Run") -> bool:
         """Whether the state just dispatched must be read now (a save, an evaluation, the
