@@ -7,7 +7,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,21 +43,13 @@ def environment() -> dict[str, Any]:
 
 
 def write_json(name: str, payload: dict[str, Any], directory: Path | None = None) -> Path:
-    """Write `payload` plus the environment to `results/<name>.json`, atomically."""
+    """Write `payload` plus the environment to `results/<name>.json`, atomically (the
+    library's one writer: temporary file, fsync, rename; the mode the umask allows)."""
+    from eqx_lowmem._io import write_json as atomic_write_json
+
     directory = RESULTS if directory is None else Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}.json"
     record = {"environment": environment(), **payload}
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return path
+    return atomic_write_json(directory / f"{name}.json", record)
 
 
 def time_median(fn: Callable[[], Any], *, repeats: int = 5, burn_in: int = 2) -> float:
@@ -95,14 +86,33 @@ def compiled_memory(compiled) -> dict[str, int] | None:
 MARKER = "RESULT "
 
 
+def spawn_results(
+    script: str | Path, payload: Any, *, timeout: float
+) -> tuple[list[Any], subprocess.CompletedProcess | None]:
+    """Run `script --worker <payload as JSON>` in a fresh Python process; return the JSON of
+    every stdout line starting with `MARKER`, in order, and the finished process (None when
+    it ran past `timeout`: then the lines printed so far are lost with it)."""
+    cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(payload)]
+
+    def results(stdout: str) -> list[Any]:
+        return [
+            json.loads(ln[len(MARKER) :]) for ln in stdout.splitlines() if ln.startswith(MARKER)
+        ]
+
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return results(out), None
+    return results(proc.stdout), proc
+
+
 def spawn(script: str | Path, spec: dict, *, timeout: float = 1800) -> dict:
     """Run `script --worker <spec as JSON>` in a fresh Python process; return the JSON it
     printed on its last line starting with `MARKER`."""
-    cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARKER)]
-    if proc.returncode or not lines:
-        raise RuntimeError(
-            f"worker {spec} failed with exit code {proc.returncode}:\n{proc.stderr[-4000:]}"
-        )
-    return json.loads(lines[-1][len(MARKER) :])
+    lines, proc = spawn_results(script, spec, timeout=timeout)
+    if proc is None or proc.returncode or not lines:
+        code = "a timeout" if proc is None else f"exit code {proc.returncode}"
+        stderr = "" if proc is None else proc.stderr[-4000:]
+        raise RuntimeError(f"worker {spec} failed with {code}:\n{stderr}")
+    return lines[-1]

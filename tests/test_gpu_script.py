@@ -1,0 +1,199 @@
+"""benchmarks/gpu.py: its smoke mode runs every configuration at tiny sizes in real worker
+processes and writes the JSON a GPU run would; its goal and consistency logic, on made-up
+figures."""
+
+import importlib.util
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import eqx_lowmem as el
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("eqx_lowmem_benchmarks_gpu", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu = _load_script()
+
+
+def _expected_unavailable(name: str) -> bool:
+    """Configurations whose piece may be missing from this checkout (other issues' work),
+    or that cannot run on a CPU (cuDNN)."""
+    if name.startswith("attention/") and name.endswith("cudnn"):
+        return True
+    if name.startswith("fsdp/"):
+        return "shard" not in inspect.signature(el.train.make_step).parameters
+    if name.startswith("sparse/") and name.endswith("_30"):
+        return not hasattr(el, "sparse")
+    if name.startswith("paper/"):
+        return not hasattr(el.nn, "WideResNet")
+    if name == "remat/minimal_offloaded":
+        return "minimal_offloaded" not in el.nn.PRESETS
+    return False
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu") / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text()), out, proc.stdout
+
+
+def test_smoke_runs_every_configuration(smoke):
+    record, _, _ = smoke
+    configs = record["configs"]
+    assert list(configs) == list(gpu.CONFIGS)
+    for name, result in configs.items():
+        assert "error" not in result, (name, result.get("error"), result.get("traceback"))
+        assert "skipped" not in result, name
+        if "unavailable" in result:
+            assert _expected_unavailable(name), (name, result["unavailable"])
+            assert result["unavailable"]
+        else:
+            assert result["step_s"] > 0 and result["updates_per_s"] > 0, name
+    # cuDNN cannot run on a CPU: said so, with the reason.
+    assert "backend cpu" in configs["attention/full_cudnn"]["unavailable"]
+    # The attention implementation actually used is recorded.
+    assert configs["remat/none"]["attention"] == "chunked"
+    assert configs["attention/xla"]["attention"] == "xla"
+    assert configs["precision/mixed_bf16"]["compute_dtype"] == "bfloat16"
+
+
+def test_smoke_records_null_peaks_on_cpu_and_the_environment(smoke):
+    record, _, _ = smoke
+    assert record["mode"] == "smoke"
+    env = record["environment"]
+    assert env["backend"] == "cpu" and env["date"]
+    assert {"jax", "jaxlib", "equinox", "optax", "numpy"} <= set(env["versions"])
+    assert record["environment_variables"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    for name, result in record["configs"].items():
+        if "step_s" in result:
+            assert result["memory_stats"] is None, name  # device.memory_stats() is None on CPU
+            assert result.get("peak") is None, name
+    # Compile-only figures still exist: the memory report and the host-memory figures.
+    report = record["configs"]["remat/none"]["report"]
+    assert report["predicted"] > 0 and report["trusted"] == "peak_bytes"
+    compiled = record["configs"]["remat/minimal"]["compiled"]
+    assert compiled["peak"] > 0 and compiled["host_temp"] == 0  # CPU drops host placement
+
+
+def test_smoke_evaluates_goals_and_checks(smoke):
+    record, _, stdout = smoke
+    goals = record["goals"]
+    assert set(goals) == set(gpu.GOALS) | {"report_within_5_percent"}
+    for name in ("full_remat_peak", "mixed_bf16_peak", "report_within_5_percent"):
+        assert goals[name]["ratio"] is None and goals[name]["met"] is None, name  # no peaks
+    for name in ("full_remat_time", "accumulate_vs_multisteps", "stream_vs_resident"):
+        assert goals[name]["ratio"] > 0 and goals[name]["met"] in (True, False), name
+    # Remat and accumulation change the schedule, not the arithmetic.
+    assert record["checks"]["float32"]["ok"], record["checks"]
+    assert "accumulate/k4" in record["checks"]["float32"]["names"]
+    assert "wrote" in stdout
+    # Side-by-side tables, each row against its group's baseline.
+    remat = record["tables"]["remat"]
+    assert remat["baseline"] == "remat/none"
+    assert [row["name"] for row in remat["rows"]][:2] == ["remat/none", "remat/full"]
+    assert remat["rows"][0]["time_vs_base"] == 1.0 and remat["rows"][0]["peak_vs_base"] is None
+    paper = record["tables"]["paper"]["rows"]
+    assert [row["paper_reduction"] for row in paper] == [1.0, 9.5, 33.2, 60.7]
+
+
+def test_smoke_runs_configurations_in_worker_processes(smoke):
+    record, out, _ = smoke
+    pids = {r["pid"] for r in record["configs"].values()}
+    assert all(r["memory_before"] is None for r in record["configs"].values())
+    assert len(pids) == gpu.SMOKE_JOBS
+    assert record["process_per_configuration"] is False
+    # Written atomically: no temporary left beside the JSON.
+    assert [p.name for p in out.parent.iterdir()] == [out.name]
+
+
+def test_refuses_full_sizes_without_a_gpu(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "x.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "not a GPU: run with --smoke" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def _gpu_like() -> dict:
+    mib = 2**20
+    return {
+        "remat/none": {"peak": 1000 * mib, "step_s": 0.100, "updates_per_s": 10.0},
+        "remat/full": {"peak": 190 * mib, "step_s": 0.125, "updates_per_s": 8.0},
+        # dots: less memory but too slow; minimal meets the time goal.
+        "remat/dots": {"peak": 400 * mib, "step_s": 0.120, "updates_per_s": 8.3},
+        "remat/minimal": {"peak": 550 * mib, "step_s": 0.105, "updates_per_s": 9.5},
+        "accumulate/k4": {"peak": 400 * mib, "step_s": 0.104, "updates_per_s": 9.6},
+        "accumulate/multisteps_k4": {"peak": 600 * mib, "step_s": 0.150, "updates_per_s": 6.6},
+        "precision/mixed_bf16": {"peak": 650 * mib, "step_s": 0.05, "updates_per_s": 20.0},
+        "stream/resident": {"step_s": 0.1, "updates_per_s": 10.0},
+        "stream/memmap_prefetch": {"step_s": 0.11, "updates_per_s": 9.0},
+    }
+
+
+def test_goals_on_gpu_like_figures():
+    results = _gpu_like()
+    results["remat/none"]["report"] = {"predicted": 1030 * 2**20}
+    results["remat/full"]["report"] = {"predicted": 180 * 2**20}
+    goals = gpu.evaluate_goals(results)
+    assert goals["full_remat_peak"]["ratio"] == pytest.approx(0.19)
+    assert goals["full_remat_peak"]["met"] is True
+    assert goals["full_remat_time"]["ratio"] == pytest.approx(1.25)
+    # The selective preset is minimal: the one of those meeting the time goal.
+    assert goals["selective_remat_peak"]["of"].startswith("remat/minimal /")
+    assert goals["selective_remat_peak"]["met"] is True
+    assert goals["accumulate_vs_whole_batch"]["met"] is True  # 0.96
+    assert goals["accumulate_vs_multisteps"]["met"] is True  # 9.6 / 6.6
+    assert goals["mixed_bf16_peak"]["met"] is False  # 0.65 > 0.6
+    assert goals["mixed_bf16_speed"]["met"] is True
+    assert goals["stream_vs_resident"]["met"] is False  # 0.9
+    report = goals["report_within_5_percent"]
+    assert report["ratio"] == pytest.approx(180 / 190 - 1)  # the worst, -5.3%
+    assert report["met"] is False
+    assert set(report["of"]) == {"remat/none", "remat/full"}
+
+
+def test_goals_missing_figures_are_none_not_failures():
+    results = _gpu_like()
+    del results["remat/full"]
+    results["precision/mixed_bf16"] = {"unavailable": "no piece"}
+    goals = gpu.evaluate_goals(results)
+    assert goals["full_remat_peak"]["ratio"] is None and goals["full_remat_peak"]["met"] is None
+    assert goals["mixed_bf16_speed"]["met"] is None
+    assert goals["report_within_5_percent"]["met"] is None
+
+
+def test_consistency_check_flags_a_different_loss():
+    same = {"loss": 1.0, "grad_norm": 2.0}
+    results = {
+        "remat/none": same,
+        "remat/full": {"loss": 1.0 + 1e-4, "grad_norm": 2.0},
+        "precision/mixed_bf16": same,
+        "attention/xla": {"loss": 1.2, "grad_norm": 2.0},
+    }
+    checks = gpu.check_consistency(results)
+    assert checks["float32"]["ok"] and checks["float32"]["names"] == ["remat/none", "remat/full"]
+    assert not checks["16bit"]["ok"]
+    assert checks["16bit"]["max_rel_diff"] == pytest.approx(0.2)
