@@ -86,7 +86,7 @@ SIZES = {
         "mlp": {"width": 64, "layers": 2, "batch": 16},
         "wrn": {"depth": 10, "width": 1, "batch": 10, "image": 8, "classes": 10},
         "stream_samples": 32,
-        "timing": {"burn_in": 1, "repeats": 2, "stream_epochs": 1},
+        "timing": {"burn_in": 1, "repeats": 1, "stream_epochs": 1},
     },
 }
 SGD_LR = 0.01
