@@ -1,0 +1,506 @@
+"""Sohoni et al. (2019), "Low-memory neural network training: a technical report",
+reproduced with eqx_lowmem: the memory tables (compile only) and a quality run.
+
+Memory (`--memory`, default): WideResNet-28-2 at batch 100 on 32x32x3 inputs with momentum
+SGD, as the paper, one row per technique and their combination; and a transformer at the
+paper's settings (FP16, micro-batches of 250 tokens, every block checkpointed). Each row is
+`eqx_lowmem.memory.memory_report` of the real training step (`make_step`), compiled in a
+process of its own, nothing run. Columns: model (parameters), gradients (float32, plus the
+accumulator with micro-batches), optimizer state, saved activations, the predicted total
+(on XLA:CPU for a 16-bit row: the report's GPU/TPU estimate, as XLA:CPU computes 16 bits in
+float32), the sum of the parts the paper's profiler counts (every tensor but XLA's other
+temporaries), and the reduction of each against our own FP32 baseline next to the paper's.
+
+Quality (`--quality`): a small WideResNet on Fashion-MNIST (Debian package
+`dataset-fashion-mnist`), the FP32 dense baseline against the paper's whole combination
+(16-bit + checkpointing + micro-batches of 10 + 30% density with DSR), the same epochs and
+seeds; test accuracy per epoch in the JSON and the plot. `--quick` shrinks everything to a
+smoke test.
+
+    python benchmarks/paper.py              # memory tables, then the quality run
+    python benchmarks/paper.py --memory     # memory tables only
+    python benchmarks/paper.py --quality --quick
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import RESULTS, spawn, write_json  # noqa: E402
+
+MB = 1e6  # the paper's MB
+
+# The paper's WRN-28-2 / CIFAR-10 figures (Section 4, batch 100): total training memory and
+# its reductions against its own FP32 baseline.
+PAPER_WRN_BASELINE_MB = 404.8
+PAPER = {
+    "baseline_fp32": 1.0,
+    "fp16_checkpoint": 9.5,
+    "fp16_checkpoint_micro10": 33.2,
+    "fp16_checkpoint_micro10_sparse30": 60.7,
+    "transformer_fp16_checkpoint_micro250": 8.7,
+}
+
+# name: (precision, remat, accumulate, density); batch 100.
+WRN_ROWS = {
+    "baseline_fp32": ("float32", False, 1, None),
+    "fp16": ("half_fp16", False, 1, None),
+    "checkpoint": ("float32", "checkpoint-residual-1", 1, None),
+    "micro10": ("float32", False, 10, None),
+    "sparse30": ("float32", False, 1, 0.3),
+    "fp16_checkpoint": ("half_fp16", "checkpoint-residual-1", 1, None),
+    "fp16_checkpoint_micro10": ("half_fp16", "checkpoint-residual-1", 10, None),
+    "fp16_checkpoint_micro10_sparse30": ("half_fp16", "checkpoint-residual-1", 10, 0.3),
+}
+WRN = {"depth": 28, "width": 2, "batch": 100, "image": (3, 32, 32), "classes": 10}
+WRN_QUICK = {"depth": 10, "width": 1, "batch": 20, "image": (3, 8, 8), "classes": 10}
+
+# The paper's DynamicConv transformer on IWSLT'14 De-En: 4,000-token batches, 12 layers
+# (encoder and decoder) of width 512, 4 heads, feed-forward 1024, a 10k vocabulary. Ours is
+# a causal LM of the same size: 16 sequences of 250 tokens, micro-batches of one sequence.
+TRANSFORMER = {
+    "vocab": 10_000,
+    "seq": 250,
+    "batch": 16,
+    "n_layers": 12,
+    "d_model": 512,
+    "n_heads": 4,
+    "d_ff": 1024,
+}
+TRANSFORMER_QUICK = {
+    **TRANSFORMER,
+    "vocab": 64,
+    "seq": 16,
+    "batch": 4,
+    "n_layers": 2,
+    "d_model": 32,
+    "n_heads": 2,
+    "d_ff": 64,
+}
+TRANSFORMER_ROWS = {
+    "transformer_baseline_fp32": ("float32", False, 1),
+    "transformer_fp16": ("half_fp16", False, 1),
+    "transformer_checkpoint": ("float32", True, 1),
+    "transformer_micro250": ("float32", False, "per_sequence"),
+    "transformer_fp16_checkpoint_micro250": ("half_fp16", True, "per_sequence"),
+}
+
+
+def wrn_loss(model, state, x, y):
+    """Per-image cross-entropy of a WideResNet, threading its BatchNorm state."""
+    import jax.numpy as jnp
+    import optax
+
+    logits, state = model.batched(x, state)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y), state
+
+
+def _report_row(report: Any) -> dict:
+    s = report.sizes
+    parts = {
+        "model": s["parameters"],
+        "gradients": s["gradients"] + s["accumulator"],
+        "optimizer": s["optimizer"],
+        "activations": s["activations"],
+        "batch": s["batch"],
+    }
+    return {
+        **parts,
+        "total": int(report.accelerator_peak_bytes),
+        "cpu_peak": int(report.peak_bytes),
+        "sum_of_parts": int(sum(parts.values())),
+        "config": report.config,
+        "notes": list(report.notes),
+    }
+
+
+def worker_wrn(spec: dict) -> dict:
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import jax.random as jr
+    import optax
+
+    import eqx_lowmem as el
+
+    cfg = spec["cfg"]
+    precision, remat, accumulate, density = WRN_ROWS[spec["row"]]
+    model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
+        cfg["depth"],
+        cfg["width"],
+        cfg["classes"],
+        key=jr.PRNGKey(0),
+        in_channels=cfg["image"][0],
+        remat=remat,
+    )
+    if density is not None:
+        import eqx_lowmem.sparse as sparse  # imported lazily: a separate package part
+
+        model = sparse.sparsify(
+            model, density, key=jr.PRNGKey(1), exclude=el.nn.WideResNet.keep_dense
+        )
+    batch = (
+        jax.ShapeDtypeStruct((cfg["batch"], *cfg["image"]), jnp.float32),
+        jax.ShapeDtypeStruct((cfg["batch"],), jnp.int32),
+    )
+    t = time.perf_counter()
+    report = el.memory.memory_report(
+        model,
+        wrn_loss,
+        optax.sgd(0.1, momentum=0.9),
+        batch,
+        accumulate=accumulate,
+        precision=precision,
+        has_state=True,
+        model_state=state,
+        name=spec["row"],
+    )
+    return {**_report_row(report), "seconds": time.perf_counter() - t}
+
+
+def worker_transformer(spec: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import jax.random as jr
+    import optax
+
+    import eqx_lowmem as el
+
+    cfg = spec["cfg"]
+    precision, remat, accumulate = TRANSFORMER_ROWS[spec["row"]]
+    accumulate = cfg["batch"] if accumulate == "per_sequence" else accumulate
+    model = el.nn.CausalLM(
+        cfg["vocab"],
+        cfg["seq"],
+        cfg["n_layers"],
+        cfg["d_model"],
+        cfg["n_heads"],
+        cfg["d_ff"],
+        key=jr.PRNGKey(0),
+        remat=remat,
+    )
+    tokens = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"] + 1), jnp.int32)
+    t = time.perf_counter()
+    report = el.memory.memory_report(
+        model,
+        el.train.next_token_loss,
+        optax.adam(1e-3),
+        (tokens,),
+        accumulate=accumulate,
+        precision=precision,
+        name=spec["row"],
+    )
+    return {**_report_row(report), "seconds": time.perf_counter() - t}
+
+
+def _table(rows: dict, baseline: str, paper_baseline_mb: float | None) -> list[str]:
+    base = rows[baseline]
+    lines = [
+        "| row | model MB | gradients MB | optimizer MB | activations MB | total MB | "
+        "reduction | sum of parts MB | reduction | paper |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in rows.items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error']} |||||||||")
+            continue
+        paper = PAPER.get(name)
+        paper_txt = "" if paper is None else f"{paper:.1f}x"
+        if name == baseline and paper_baseline_mb:
+            paper_txt = f"{paper_baseline_mb} MB"
+        lines.append(
+            f"| {name} | {r['model'] / MB:.2f} | {r['gradients'] / MB:.2f} | "
+            f"{r['optimizer'] / MB:.2f} | {r['activations'] / MB:.2f} | {r['total'] / MB:.1f} | "
+            f"{base['total'] / r['total']:.1f}x | {r['sum_of_parts'] / MB:.1f} | "
+            f"{base['sum_of_parts'] / r['sum_of_parts']:.1f}x | {paper_txt} |"
+        )
+    return lines
+
+
+def run_memory(quick: bool) -> dict:
+    out: dict[str, Any] = {"wrn": {}, "transformer": {}}
+    wrn_cfg = WRN_QUICK if quick else WRN
+    tr_cfg = TRANSFORMER_QUICK if quick else TRANSFORMER
+    jobs = [("wrn", r, wrn_cfg) for r in WRN_ROWS] + [
+        ("transformer", r, tr_cfg) for r in TRANSFORMER_ROWS
+    ]
+    for kind, row, cfg in jobs:
+        try:
+            out[kind][row] = spawn(__file__, {"kind": kind, "row": row, "cfg": cfg}, timeout=3600)
+        except RuntimeError as e:  # e.g. eqx_lowmem.sparse not importable yet
+            out[kind][row] = {"error": str(e).splitlines()[-1][:200]}
+        r = out[kind][row]
+        print(row, {k: r.get(k) for k in ("total", "sum_of_parts", "error")}, flush=True)
+    wrn, tr = out["wrn"], out["transformer"]
+    out["config"] = {"wrn": wrn_cfg, "transformer": tr_cfg, "quick": quick}
+    out["table_wrn"] = _table(wrn, "baseline_fp32", PAPER_WRN_BASELINE_MB)
+    out["table_transformer"] = _table(tr, "transformer_baseline_fp32", None)
+    combined, tcombined = "fp16_checkpoint_micro10_sparse30", "transformer_fp16_checkpoint_micro250"
+    goals = {}
+    for key in ("total", "sum_of_parts"):
+        base = wrn.get("baseline_fp32", {}).get(key)
+        goals[key] = {
+            "wrn_baseline_mb": None if base is None else base / MB,
+            "wrn_baseline_at_most_404.8": None if base is None else base / MB <= 404.8,
+            "wrn_combined_reduction": _ratio(wrn, "baseline_fp32", combined, key),
+            "transformer_reduction": _ratio(tr, "transformer_baseline_fp32", tcombined, key),
+        }
+        for name, goal in (("wrn_combined_reduction", 60.7), ("transformer_reduction", 8.7)):
+            value = goals[key][name]
+            goals[key][name + "_met"] = None if value is None else value >= goal
+    out["goals"] = goals
+    return out
+
+
+def _ratio(rows: dict, base: str, row: str, key: str) -> float | None:
+    if key not in rows.get(base, {}) or key not in rows.get(row, {}):
+        return None
+    return rows[base][key] / rows[row][key]
+
+
+def plot_memory(result: dict, path: Path) -> None:
+    import matplotlib as mpl
+
+    mpl.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [8, 5]})
+    for ax, kind, base in (
+        (axes[0], "wrn", "baseline_fp32"),
+        (axes[1], "transformer", "transformer_baseline_fp32"),
+    ):
+        rows = {k: v for k, v in result[kind].items() if "error" not in v}
+        names = list(rows)
+        parts = ["model", "gradients", "optimizer", "activations"]
+        bottom = [0.0] * len(names)
+        for part in parts:
+            vals = [rows[n][part] / MB for n in names]
+            ax.bar(names, vals, bottom=bottom, label=part)
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.plot(
+            names,
+            [rows[n]["total"] / MB for n in names],
+            "k_",
+            markersize=18,
+            label="predicted total",
+        )
+        for i, n in enumerate(names):
+            ax.annotate(
+                f"{rows[base]['total'] / rows[n]['total']:.1f}x",
+                (i, rows[n]["total"] / MB),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+        ax.set_yscale("log")
+        ax.set_ylabel("MB")
+        ax.set_title("WideResNet-28-2, batch 100" if kind == "wrn" else "transformer, 4k tokens")
+        ax.tick_params(axis="x", rotation=60, labelsize=7)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# The quality run: a WRN small enough for two CPU cores, on a part of Fashion-MNIST.
+QUALITY = {
+    "depth": 10,
+    "width": 2,
+    "train": 12_000,
+    "test": 10_000,
+    "epochs": 4,
+    "seeds": [0, 1],
+    "batch": 100,
+    "lr": 0.05,
+}
+QUALITY_QUICK = {
+    "depth": 10,
+    "width": 1,
+    "train": 400,
+    "test": 200,
+    "epochs": 1,
+    "seeds": [0],
+    "batch": 100,
+    "lr": 0.05,
+}
+QUALITY_CONFIGS = {
+    "baseline_fp32": {"precision": "float32", "remat": False, "accumulate": 1, "density": None},
+    "combined": {
+        "precision": "mixed_fp16",
+        "remat": "checkpoint-residual-1",
+        "accumulate": 10,
+        "density": 0.3,
+    },
+}
+
+
+def _images(split: str, n: int) -> tuple[Any, Any]:
+    import numpy as np
+
+    import eqx_lowmem as el
+
+    images, labels = el.data.fashion_mnist(split)
+    x = (images[:n].astype(np.float32) / 255.0 - 0.2860) / 0.3530  # the training set's stats
+    return x[:, None], labels[:n].astype(np.int32)  # (n, 1, 28, 28)
+
+
+def train_one(name: str, seed: int, cfg: dict, data: tuple, precision: str | None = None) -> dict:
+    """Train one configuration on the data; test accuracy after every epoch."""
+    import equinox as eqx
+    import jax.numpy as jnp
+    import jax.random as jr
+    import numpy as np
+    import optax
+
+    import eqx_lowmem as el
+
+    opts = QUALITY_CONFIGS[name]
+    (x_train, y_train), (x_test, y_test) = data
+    key = jr.PRNGKey(seed)
+    model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
+        cfg["depth"], cfg["width"], 10, key=key, in_channels=1, remat=opts["remat"]
+    )
+    after_update = None
+    steps_per_epoch = len(x_train) // cfg["batch"]
+    total = steps_per_epoch * cfg["epochs"]
+    if opts["density"] is not None:
+        import eqx_lowmem.sparse as sparse
+
+        model = sparse.sparsify(
+            model,
+            opts["density"],
+            key=jr.fold_in(key, 1),
+            slack=0.1,
+            exclude=el.nn.WideResNet.keep_dense,
+        )
+        after_update = sparse.dsr(period=max(1, min(100, total // 8)), total_steps=total)
+    schedule = optax.cosine_decay_schedule(cfg["lr"], max(total, 1))
+    optimizer = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(schedule, momentum=0.9))
+    step = el.train.make_step(
+        wrn_loss,
+        optimizer,
+        has_state=True,
+        accumulate=opts["accumulate"],
+        precision=precision or opts["precision"],
+        after_update=after_update,
+    )
+    ts = step.init(model, key=jr.fold_in(key, 2), model_state=state)
+
+    @eqx.filter_jit
+    def predict(model, state, x):
+        logits, _ = eqx.nn.inference_mode(model).batched(x, state)
+        return jnp.argmax(logits, axis=-1)
+
+    rng = np.random.default_rng(seed)
+    curve, losses, t0 = [], [], time.perf_counter()
+    for epoch in range(cfg["epochs"]):
+        order = rng.permutation(len(x_train))
+        epoch_losses = []
+        for i in range(steps_per_epoch):
+            idx = np.sort(order[i * cfg["batch"] : (i + 1) * cfg["batch"]])
+            ts, metrics = step(ts, (jnp.asarray(x_train[idx]), jnp.asarray(y_train[idx])))
+            epoch_losses.append(float(metrics["loss"]))
+        correct = 0
+        for j in range(0, len(x_test), 500):
+            pred = predict(ts.model, ts.model_state, jnp.asarray(x_test[j : j + 500]))
+            correct += int(jnp.sum(pred == jnp.asarray(y_test[j : j + 500])))
+        curve.append(correct / len(x_test))
+        losses.append(float(np.mean(epoch_losses)))
+        print(
+            f"{name} seed {seed} epoch {epoch + 1}: loss {losses[-1]:.4f} "
+            f"test accuracy {curve[-1]:.4f} ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    out = {"test_accuracy": curve, "train_loss": losses, "seconds": time.perf_counter() - t0}
+    if opts["density"] is not None:
+        out["density"] = float(el.sparse.density(ts.model))
+    return out
+
+
+def run_quality(quick: bool, precision: str | None = None) -> dict:
+    """The paper's accuracy comparison on Fashion-MNIST, small enough for two CPU cores."""
+    import numpy as np
+
+    cfg = QUALITY_QUICK if quick else QUALITY
+    data = (_images("train", cfg["train"]), _images("test", cfg["test"]))
+    runs: dict[str, dict] = {name: {} for name in QUALITY_CONFIGS}
+    for seed in cfg["seeds"]:
+        for name in QUALITY_CONFIGS:
+            p = precision if name == "combined" else None
+            runs[name][str(seed)] = train_one(name, seed, cfg, data, p)
+    final = {n: float(np.mean([r["test_accuracy"][-1] for r in runs[n].values()])) for n in runs}
+    gap = final["baseline_fp32"] - final["combined"]
+    return {
+        "config": cfg,
+        "configs": QUALITY_CONFIGS,
+        "combined_precision": precision or QUALITY_CONFIGS["combined"]["precision"],
+        "runs": runs,
+        "final_mean_accuracy": final,
+        "gap_points": 100 * gap,
+        "within_half_a_point": bool(100 * gap <= 0.5),
+    }
+
+
+def plot_quality(result: dict, path: Path) -> None:
+    import matplotlib as mpl
+
+    mpl.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, seeds in result["runs"].items():
+        for seed, r in seeds.items():
+            epochs = range(1, len(r["test_accuracy"]) + 1)
+            ax.plot(epochs, r["test_accuracy"], marker="o", label=f"{name}, seed {seed}")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("test accuracy")
+    ax.set_title("WRN on Fashion-MNIST: FP32 dense vs the paper's combination")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--memory", action="store_true", help="memory tables only")
+    p.add_argument("--quality", action="store_true", help="quality run only")
+    p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test")
+    p.add_argument("--out", default=str(RESULTS), help="directory for the JSON and plots")
+    p.add_argument(
+        "--precision",
+        help="the combined run's precision (default mixed_fp16; mixed_bf16 where XLA:CPU's "
+        "FP16 is too slow)",
+    )
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.worker)
+        fn = worker_wrn if spec["kind"] == "wrn" else worker_transformer
+        print("RESULT " + json.dumps(fn(spec)), flush=True)
+        return 0
+    both = not (args.memory or args.quality)
+    out = Path(args.out)
+    suffix = "_quick" if args.quick else ""
+    if args.memory or both:
+        result = run_memory(args.quick)
+        print("\n".join(result["table_wrn"]))
+        print("\n".join(result["table_transformer"]))
+        print(json.dumps(result["goals"], indent=1))
+        write_json(f"paper{suffix}", result, out)
+        plot_memory(result, out / f"paper{suffix}.png")
+    if args.quality or both:
+        result = run_quality(args.quick, args.precision)
+        print(json.dumps(result["final_mean_accuracy"]), f"gap {result['gap_points']:.2f} points")
+        write_json(f"paper_quality{suffix}", result, out)
+        plot_quality(result, out / f"paper_quality{suffix}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
