@@ -15,7 +15,9 @@ PRELUDE = textwrap.dedent(
     import json, re, sys
     import jax, jax.numpy as jnp, jax.random as jr, numpy as np, optax, equinox as eqx
     from jax.sharding import Mesh
-    import eqx_lowmem as el
+    from jaxtyping import install_import_hook
+    with install_import_hook("eqx_lowmem", "beartype.beartype"):  # as the suite checks
+        import eqx_lowmem as el
 
     jax.config.update("jax_numpy_dtype_promotion", "strict")
 
@@ -204,3 +206,24 @@ def test_fsdp_bad_input():
     assert "data_axis='batch'" in result["axis"] and "('data',)" in result["axis"]
     assert "shard='zero'" in result["shard"] and "fsdp" in result["shard"]
     assert "multiple of 2" in result["stateful_odd_batch"]
+
+
+def test_trainer_with_fsdp_equals_the_trainer_on_one_device():
+    result = _run(
+        """
+        def fit(**kwargs):
+            trainer = el.train.Trainer(lm(), el.train.next_token_loss,
+                                       optax.sgd(0.1, momentum=0.9), accumulate=2,
+                                       progress=False, **kwargs)
+            history = trainer.fit(np.asarray(tokens(32)), epochs=2, micro_batch=4,
+                                  key=jr.PRNGKey(3))
+            return params(trainer.state), history["train_loss"]
+        one, loss_one = fit()
+        two, loss_two = fit(mesh=mesh(2), shard="fsdp")
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one, two))
+        print(json.dumps({"diff": diff, "loss": [loss_one, loss_two]}))
+        """,
+        devices=2,
+    )
+    assert result["diff"] <= 1e-5, result
+    assert result["loss"][0][1] < result["loss"][0][0]

@@ -49,12 +49,12 @@ def _spec(ndim: int, dim: int | None, axis: str) -> P:
     return P(*([None] * dim), axis)
 
 
-def _with_layer_spec(stack: Any, spec: tuple) -> Any:
-    """A copy of the frozen stack module with its static `layer_spec` replaced."""
-    new = object.__new__(type(stack))
-    for f in dataclasses.fields(stack):
-        object.__setattr__(new, f.name, getattr(stack, f.name))
-    object.__setattr__(new, "layer_spec", spec)
+def replace_fields(module: Any, **fields: Any) -> Any:
+    """A copy of a frozen dataclass module with `fields` replaced, without running its
+    `__init__` (whose checks would reject, say, a tree of shardings in place of arrays)."""
+    new = object.__new__(type(module))
+    for f in dataclasses.fields(module):
+        object.__setattr__(new, f.name, fields.get(f.name, getattr(module, f.name)))
     return new
 
 
@@ -75,7 +75,7 @@ def fsdp_layout(model: Any, n: int, axis: str) -> FsdpLayout:
         arrays = eqx.filter(stack, is_arraylike)
         dims = [shard_dim(np.shape(x), n, first=1) for x in jax.tree.leaves(arrays)]
         spec = tuple(None if d is None else d - 1 for d in dims)
-        return _with_layer_spec(stack, spec)
+        return replace_fields(stack, layer_spec=spec)
 
     model = jax.tree.map(lambda x: stack_specs(x) if is_stack(x) else x, model, is_leaf=is_stack)
 

@@ -26,7 +26,14 @@ from ..precision._optim import half_state
 from ..precision._policy import Policy, get_policy
 from ._accumulate import Sums, accumulate, loss_grad
 from ._loss import accepts_key
-from ._shard import fsdp_layout, gather_layer, gather_leaves, is_inexact_like, specs_like
+from ._shard import (
+    fsdp_layout,
+    gather_layer,
+    gather_leaves,
+    is_inexact_like,
+    replace_fields,
+    specs_like,
+)
 from ._update import (
     UpdateInfo,
     apply_updates,
@@ -336,7 +343,7 @@ class Step:
             return replicated
         model_specs = fsdp_layout(state.model, n, axis).specs
         opt_specs = self._opt_specs(state, model_specs)
-        return dataclasses.replace(
+        return replace_fields(
             replicated,
             model=jax.tree.map(named, model_specs, is_leaf=lambda x: isinstance(x, P)),
             opt_state=jax.tree.map(named, opt_specs, is_leaf=lambda x: isinstance(x, P)),
@@ -625,7 +632,7 @@ def make_step(
     has_state: bool = False,
     mesh: Mesh | None = None,
     data_axis: str = "data",
-    shard: Literal["data", "fsdp"] = "data",
+    shard: str = "data",
     after_update: Callable[[TrainState, UpdateInfo], TrainState] | None = None,
     jit: bool = True,
 ) -> Step:
