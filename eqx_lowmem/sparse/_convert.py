@@ -2,7 +2,7 @@
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -168,7 +168,7 @@ def sparsify(
     density: float | Callable[[str, Any], float],
     *,
     key: PRNGKeyArray,
-    distribution: Literal["uniform", "erk"] = "uniform",
+    distribution: str = "uniform",
     slack: float = 0.0,
     exclude: Sequence[str] | Callable[[str, Any], bool] = (),
 ) -> PyTree:

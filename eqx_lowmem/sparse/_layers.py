@@ -16,6 +16,7 @@ are temporaries of one layer at a time, never residuals kept for the whole netwo
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import equinox as eqx
@@ -23,6 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
+
+try:  # to ask whether a vmap is the innermost transformation (see _batched_on_top)
+    from jax._src.core import find_top_trace as _find_top_trace
+    from jax._src.interpreters.batching import BatchTrace as _BatchTrace
+except ImportError:  # pragma: no cover - other JAX versions: the checkpointed path only
+    _find_top_trace = None
+    _BatchTrace = None
 
 _INDEX_DTYPES = (jnp.int8, jnp.int16, jnp.int32)
 
@@ -52,11 +60,13 @@ def index_dtype(size: int) -> Any:
     )
 
 
-def _scatter(values: Array, indices: Array, shape: tuple[int, ...]) -> Array:
-    """The dense weight of one layer: zeros with `values` at the flat `indices` (empty
-    slots, at index `size`, dropped)."""
+def _scatter(
+    values: Array, indices: Array, shape: tuple[int, ...], base: Array | None = None
+) -> Array:
+    """The dense weight of one layer: zeros (or `base`, flat zeros) with `values` at the
+    flat `indices` (empty slots, at index `size`, dropped)."""
     size = math.prod(shape)
-    flat = jnp.zeros((size,), values.dtype)
+    flat = jnp.zeros((size,), values.dtype) if base is None else base
     flat = flat.at[indices.astype(jnp.int32)].set(values, mode="drop")
     return flat.reshape(shape)
 
@@ -69,34 +79,152 @@ def _dense_of(values: Array, indices: Array, shape: tuple[int, ...]) -> Array:
     return fn(values, indices)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(3,))
-def _matvec(values: Array, indices: Array, x: Array, shape: tuple[int, int]) -> Array:
-    # Checkpointed: the dense (out, in) weight is rebuilt in the backward pass, not saved.
-    return _scatter(values, indices, shape) @ x
-
-
-@functools.partial(jax.checkpoint, static_argnums=(3, 4, 5, 6, 7))
-def _conv(
-    values: Array,
-    indices: Array,
-    x: Array,
-    shape: tuple[int, ...],
-    stride: tuple[int, ...],
-    padding: Any,
-    dilation: tuple[int, ...],
-    groups: int,
-) -> Array:
-    # Checkpointed like _matvec: one dense kernel alive at a time.
-    weight = _scatter(values, indices, shape)
-    out = jax.lax.conv_general_dilated(
-        lhs=x[None],
+# The dense operation of a layer over a batch `(n, *example)`, from its static description:
+# ("linear",) or ("conv", stride, padding, dilation, groups).
+def _batched_op(op: tuple, weight: Array, x: Array) -> Array:
+    if op[0] == "linear":
+        return x @ weight.T
+    _, stride, padding, dilation, groups = op
+    return jax.lax.conv_general_dilated(
+        lhs=x,
         rhs=weight,
         window_strides=stride,
         padding=padding,
         rhs_dilation=dilation,
         feature_group_count=groups,
     )
-    return out[0]
+
+
+@functools.partial(jax.checkpoint, static_argnums=(0, 1))
+def _one(op: tuple, shape: tuple[int, ...], values: Array, indices: Array, x: Array) -> Array:
+    """One example, checkpointed: the dense weight is rebuilt in the backward pass, not
+    saved. Autodiff batches this well where a batch axis is added later (a `lax.scan` body
+    that is then vmapped), as one matmul for the weight gradient."""
+    return _batched_op(op, _scatter(values, indices, shape), x[None])[0]
+
+
+def _after(x: Array, dep: Array) -> Array:
+    """`x`, computed only once `dep` exists: `x + 0 * dep[0]`.
+
+    A data dependency that XLA cannot see through (`0 * d` is NaN for a non-finite `d`),
+    unlike `jax.lax.optimization_barrier`, which XLA:CPU removes before merging equal
+    computations. Used to rebuild one layer's dense weight at the moment it is needed and
+    not before, and to stop XLA from merging the backward pass's rebuild with the forward's
+    (which would keep every layer's dense weight alive until the backward pass). A
+    non-finite `dep` makes the result non-finite: only where the true gradient is already
+    non-finite, so the step's finiteness check (which skips the update) is unchanged.
+    """
+    first = dep.reshape(-1)[0]
+    if not jnp.issubdtype(first.dtype, jnp.floating):
+        first = first.astype(jnp.float32)  # integer x * 0 would be folded away
+    return x + (first * 0).astype(x.dtype)
+
+
+@functools.cache
+def _batch_vjp(op: tuple, shape: tuple[int, ...]) -> Callable:
+    """The layer over a batch `(n, *example)` with a hand-written backward pass that
+    rebuilds the dense weight after the output gradient arrives and frees it before the
+    dense weight gradient is built: one dense matrix alive at a time, per layer."""
+    size = math.prod(shape)
+
+    def forward(values, indices, x):
+        base = _after(jnp.zeros((size,), values.dtype), x)
+        return _batched_op(op, _scatter(values, indices, shape, base), x)
+
+    @jax.custom_vjp
+    def f(values, indices, x):
+        return forward(values, indices, x)
+
+    def fwd(values, indices, x):
+        return forward(values, indices, x), (values, indices, x)
+
+    def bwd(res, grad):
+        values, indices, x = res
+        weight = _scatter(values, indices, shape, _after(jnp.zeros((size,), values.dtype), grad))
+        _, vjp_x = jax.vjp(lambda x: _batched_op(op, weight, x), x)
+        (grad_x,) = vjp_x(grad)
+        # The weight is dead once grad_x exists: build the weight gradient after it.
+        x_late = _after(x, grad_x)
+        _, vjp_w = jax.vjp(lambda w: _batched_op(op, w, x_late), jnp.zeros(shape, values.dtype))
+        (grad_weight,) = vjp_w(grad)
+        flat = grad_weight.reshape(-1)
+        grad_values = flat.at[indices.astype(jnp.int32)].get(mode="fill", fill_value=0)
+        return grad_values.astype(values.dtype), None, grad_x
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+@functools.cache
+def _vmappable(op: tuple, shape: tuple[int, ...], rank: int) -> Callable:
+    """The layer on inputs with any leading axes `(*lead, *example)` (`rank` = the example's
+    rank), whose `jax.vmap` folds the new axis into the batch of one matmul/convolution
+    instead of vmapping a backward pass (which would build one dense weight gradient per
+    example)."""
+
+    @jax.custom_batching.custom_vmap
+    def f(values, indices, x):
+        return _dispatch(op, shape, rank, values, indices, x)
+
+    @f.def_vmap
+    def rule(axis_size, in_batched, values, indices, x):
+        values_b, indices_b, x_b = in_batched
+        if values_b or indices_b:
+            # Batched weights (an ensemble, a vmapped stack): plain per-example layers.
+            one = functools.partial(_leading_one, op, shape, rank)
+            axes = tuple(0 if b else None for b in in_batched)
+            return jax.vmap(one, in_axes=axes)(values, indices, x), True
+        if not x_b:
+            x = jnp.broadcast_to(x, (axis_size, *x.shape))
+        return _dispatch(op, shape, rank, values, indices, x), True
+
+    return f
+
+
+def _leading_one(op, shape, rank, values, indices, x):
+    lead = x.shape[: x.ndim - rank]
+    flat = x.reshape(-1, *x.shape[x.ndim - rank :])
+    out = jax.vmap(lambda e: _one(op, shape, values, indices, e))(flat)
+    return out.reshape(*lead, *out.shape[1:])
+
+
+def _dispatch(op, shape, rank, values, indices, x):
+    """`x` with leading axes: under a further `vmap` defer to `_vmappable`, else one
+    batched call of `_batch_vjp`."""
+    if _batched_on_top((values, indices, x)):
+        return _vmappable(op, shape, rank)(values, indices, x)
+    lead = x.shape[: x.ndim - rank]
+    flat = x.reshape(-1, *x.shape[x.ndim - rank :])
+    out = _batch_vjp(op, shape)(values, indices, flat)
+    return out.reshape(*lead, *out.shape[1:])
+
+
+def _batched_on_top(args: tuple) -> bool:
+    """Whether the innermost transformation acting on `args` is a `jax.vmap`.
+
+    Then the layer's vmap rule runs before any differentiation sees it (reverse-mode
+    autodiff cannot go through `custom_vmap` itself). JAX offers no public way to ask;
+    where its internals differ, every call takes the checkpointed per-example path, which
+    is correct everywhere."""
+    if _find_top_trace is None:
+        return False
+    try:
+        return isinstance(_find_top_trace(args), _BatchTrace)
+    except Exception:  # internals changed: the always-correct path
+        return False
+
+
+def _apply(op: tuple, shape: tuple[int, ...], values: Array, indices: Array, x: Array) -> Array:
+    """The layer on one example `x`.
+
+    Under `jax.vmap` (the usual `jax.vmap(model)(batch)`) one batched matmul/convolution
+    with a hand-written backward pass runs for the whole batch: the dense weight is rebuilt
+    once in the forward and once in the backward pass, after the output gradient arrives,
+    and the weight gradient is one matmul gathered at the indices. Elsewhere (no vmap,
+    `vmap` of `grad`, a `lax.scan` body vmapped later) the checkpointed per-example form."""
+    if _batched_on_top((values, indices, x)):
+        return _vmappable(op, shape, x.ndim)(values, indices, x)
+    return _one(op, shape, values, indices, x)
 
 
 def _check_slots(layer: Any) -> None:
@@ -245,7 +373,7 @@ class SparseLinear(_Sparse):
                 f"SparseLinear expects one example of shape ({self.in_features},), got "
                 f"{x.shape}; jax.vmap over the batch."
             )
-        y = _matvec(self.values, self.indices, x, self.weight_shape)
+        y = _apply(("linear",), self.weight_shape, self.values, self.indices, x)
         if self.bias is not None:
             y = y + self.bias
         if self.out_features == "scalar":
@@ -341,16 +469,8 @@ class SparseConv2d(_Sparse):
                 f"width), got {x.shape}; jax.vmap over the batch."
             )
         x, padding = _pad_nonzero(x, self)
-        y = _conv(
-            self.values,
-            self.indices,
-            x,
-            self.weight_shape,
-            self.stride,
-            padding,
-            self.dilation,
-            self.groups,
-        )
+        op = ("conv", self.stride, padding, self.dilation, self.groups)
+        y = _apply(op, self.weight_shape, self.values, self.indices, x)
         if self.bias is not None:
             y = y + self.bias
         return y

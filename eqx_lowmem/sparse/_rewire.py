@@ -12,7 +12,7 @@ optimizer state (every optimizer-state subtree shaped like the parameters: optax
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -21,7 +21,7 @@ import jax.random as jr
 from jaxtyping import Array, Int
 
 from ._convert import densify
-from ._layers import is_sparse
+from ._layers import _after, is_sparse
 
 Hook = Callable[[Any, Any], Any]
 _DECAYS = ("constant", "cosine")
@@ -45,28 +45,84 @@ def _flat2(x: Array, n: int) -> Array:
     return x.reshape(n, x.shape[-1])
 
 
-def _grow(values, indices, n_grow, score, *, size: int, k_max: int):
-    """Fill up to `n_grow` free slots (index `size`) of one layer with the free positions
-    of highest `score` (occupied positions never chosen). New values are 0.
+def _per_layer(fn: Callable, *args: Array) -> Any:
+    """`fn` on each layer of a stack (leading axis), one after the other (`lax.map`, not
+    `vmap`: one layer's temporaries at a time, and unbatched while loops)."""
+    if args[0].shape[0] == 1:
+        return jax.tree.map(lambda y: y[None], fn(*(a[0] for a in args)))
+    return jax.lax.map(lambda a: fn(*a), args)
 
-    Returns the new values, indices and the mask of slots filled."""
-    occupied = jnp.zeros((size,), bool).at[indices.astype(jnp.int32)].set(True, mode="drop")
-    score = jnp.where(occupied, -jnp.inf, score.astype(jnp.float32))
+
+def _occupied(indices: Array, size: int) -> Array:
+    """A dense bool mask of the occupied positions (1 byte per dense weight)."""
+    return jnp.zeros((size,), bool).at[indices.astype(jnp.int32)].set(True, mode="drop")
+
+
+def _slot_of_rank(free: Array) -> tuple[Array, Array]:
+    """(rank of each free slot, slot of each rank): the j-th free slot takes the j-th new
+    position."""
+    cap = free.shape[0]
+    rank = jnp.cumsum(free.astype(jnp.int32)) - 1
+    where = jnp.where(free, rank, cap)
+    slot = jnp.zeros((cap,), jnp.int32).at[where].set(jnp.arange(cap, dtype=jnp.int32), mode="drop")
+    return rank, slot
+
+
+def _grow_best(indices, n_grow, score, *, size: int, k_max: int):
+    """Fill up to `n_grow` free slots (index `size`) of one layer with the free positions
+    of highest `score` (a dense score; occupied positions never chosen).
+
+    Returns the new indices and the mask of slots filled."""
+    score = jnp.where(_occupied(indices, size), -jnp.inf, score.astype(jnp.float32))
     _, candidates = jax.lax.top_k(score, k_max)  # distinct positions, best first
     free = indices >= size
-    rank = jnp.cumsum(free.astype(jnp.int32)) - 1  # the j-th free slot takes candidate j
+    rank, _ = _slot_of_rank(free)
     take = free & (rank < n_grow)
     chosen = candidates[jnp.clip(rank, 0, k_max - 1)].astype(indices.dtype)
-    return (
-        jnp.where(take, jnp.zeros((), values.dtype), values),
-        jnp.where(take, chosen, indices),
-        take,
-    )
+    return jnp.where(take, chosen, indices), take
 
 
-def _prune(values, indices, prune, size: int):
-    empty = jnp.asarray(size, indices.dtype)
-    return jnp.where(prune, jnp.zeros((), values.dtype), values), jnp.where(prune, empty, indices)
+_MAX_ROUNDS = 1 << 16
+
+
+def _grow_random(indices, n_grow, key, *, size: int, draws: int):
+    """Fill up to `n_grow` free slots of one layer with positions drawn uniformly at random
+    among the free ones, without a dense score: rounds of `draws` random positions, each
+    kept if free and not drawn before (rejection sampling), until `n_grow` are placed.
+
+    Memory: the dense occupancy mask (1 byte per weight) and a few arrays of `draws`.
+    Returns the new indices and the mask of slots filled."""
+    cap = indices.shape[0]
+    free = indices >= size
+    _, slot_of = _slot_of_rank(free)
+
+    def body(carry):
+        indices, occupied, filled, taken, key, it = carry
+        key, sub = jr.split(key)
+        cand = jr.randint(sub, (draws,), 0, size, dtype=jnp.int32)
+        order = jnp.argsort(cand)
+        ordered = cand[order]
+        first = jnp.concatenate([jnp.ones((1,), bool), ordered[1:] != ordered[:-1]])
+        unique = jnp.zeros((draws,), bool).at[order].set(first)
+        ok = unique & ~occupied[cand]
+        pos = filled + jnp.cumsum(ok.astype(jnp.int32)) - 1
+        use = ok & (pos < n_grow)
+        slot = jnp.where(use, slot_of[jnp.clip(pos, 0, cap - 1)], cap)
+        indices = indices.at[slot].set(cand.astype(indices.dtype), mode="drop")
+        taken = taken.at[slot].set(True, mode="drop")
+        occupied = occupied.at[jnp.where(use, cand, size)].set(True, mode="drop")
+        return indices, occupied, filled + jnp.sum(use.astype(jnp.int32)), taken, key, it + 1
+
+    def cond(carry):
+        return (carry[2] < n_grow) & (carry[5] < _MAX_ROUNDS)
+
+    init = (indices, _occupied(indices, size), jnp.int32(0), jnp.zeros((cap,), bool), key, 0)
+    indices, _, _, taken, _, _ = jax.lax.while_loop(cond, body, init)
+    return indices, taken
+
+
+def _prune(indices, prune, size: int):
+    return jnp.where(prune, jnp.asarray(size, indices.dtype), indices)
 
 
 def _zero_slots(opt_state: Any, model: Any, resets: dict[str, Array]) -> Any:
@@ -95,26 +151,30 @@ def _zero_slots(opt_state: Any, model: Any, resets: dict[str, Array]) -> Any:
     return jax.tree.map(fix, opt_state, is_leaf=matches)
 
 
-def _apply(state: Any, flat, treedef, where, new_layers, resets) -> Any:
-    """Put the rewired layers into the state and zero the optimizer state of changed slots."""
+def _rewire(state: Any, do: Array, changes: Callable[[list], list]) -> Any:
+    """Rewire the sparse layers of `state.model` if `do`.
+
+    `changes(layers)` returns, per sparse layer, its new indices, the mask of slots that
+    changed (pruned or grown) and its new threshold exponent. Only these small arrays come
+    out of the `lax.cond` (not a copy of the whole state); then the changed slots' values
+    and optimizer state are zeroed outside it (a no-op mask on other steps).
+    """
+    flat, treedef, where = _sparse_of(state.model)
+    layers = [flat[i][1] for i in where]
+
+    def keep(_):
+        return [(x.indices, jnp.zeros(x.indices.shape, bool), x.threshold_exp) for x in layers]
+
+    out = jax.lax.cond(do, lambda _: changes(layers), keep, None)
     leaves = [x for _, x in flat]
-    by_path = {}
-    for i, layer, reset in zip(where, new_layers, resets, strict=True):
-        leaves[i] = layer
-        by_path[jax.tree_util.keystr((*flat[i][0], jax.tree_util.GetAttrKey("values")))] = reset
+    resets = {}
+    for i, x, (indices, reset, exp) in zip(where, layers, out, strict=True):
+        values = jnp.where(reset, jnp.zeros((), x.values.dtype), x.values)
+        leaves[i] = dataclasses.replace(x, values=values, indices=indices, threshold_exp=exp)
+        resets[jax.tree_util.keystr((*flat[i][0], jax.tree_util.GetAttrKey("values")))] = reset
     model = jax.tree_util.tree_unflatten(treedef, leaves)
-    opt_state = _zero_slots(state.opt_state, state.model, by_path)
+    opt_state = _zero_slots(state.opt_state, state.model, resets)
     return dataclasses.replace(state, model=model, opt_state=opt_state)
-
-
-def _when(do: Array, rewire: Callable[[Any], Any], state: Any) -> Any:
-    """`rewire(state)` if `do`, else `state`, as a `lax.cond` over the array leaves."""
-    dynamic, static = eqx.partition(state, eqx.is_array)
-
-    def yes(d):
-        return eqx.filter(rewire(eqx.combine(d, static)), eqx.is_array)
-
-    return eqx.combine(jax.lax.cond(do, yes, lambda d: d, dynamic), static)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -174,9 +234,9 @@ def allocate(total: Int[Array, ""], weight: Array, room: Array) -> Array:
     return given
 
 
-def _dsr_rewire(state: Any, key: Array, *, threshold: float, fraction: float, tolerance: float):
-    flat, treedef, where = _sparse_of(state.model)
-    layers = [flat[i][1] for i in where]
+def _dsr_changes(layers: list, key: Array, *, threshold: float, fraction: float, tolerance: float):
+    """Mostafa and Wang's reallocation for `_rewire`: prune below the global threshold,
+    regrow across layers in proportion to survivors, adapt the threshold."""
     counts = [math.prod(x.stack_shape) for x in layers]
     exp = layers[0].threshold_exp.reshape(-1)[0]
     cut = threshold * jnp.exp2(exp.astype(jnp.float32))
@@ -184,8 +244,8 @@ def _dsr_rewire(state: Any, key: Array, *, threshold: float, fraction: float, to
     for x, n in zip(layers, counts, strict=True):
         v, i = _flat2(x.values, n), _flat2(x.indices, n)
         prune = (i < x.size) & (jnp.abs(v).astype(jnp.float32) < cut)
-        pv, pi = _prune(v, i, prune, x.size)
-        pruned.append((pv, pi, prune))
+        pi = _prune(i, prune, x.size)
+        pruned.append((pi, prune))
         survivors.append(jnp.sum((pi < x.size).astype(jnp.int32), axis=-1))
         removed.append(jnp.sum(prune.astype(jnp.int32), axis=-1))
     survived = jnp.concatenate(survivors)
@@ -203,26 +263,28 @@ def _dsr_rewire(state: Any, key: Array, *, threshold: float, fraction: float, to
         + (found < (1.0 - tolerance) * target).astype(jnp.int32)
         - (found > (1.0 + tolerance) * target).astype(jnp.int32)
     )
-    new_layers, resets, start = [], [], 0
+    out, start = [], 0
     keys = jr.split(key, len(layers))
-    for x, n, (pv, pi, prune), k in zip(layers, counts, pruned, keys, strict=True):
+    for x, n, (pi, prune), k in zip(layers, counts, pruned, keys, strict=True):
         g = grow[start : start + n]
         start += n
-        scores = jr.uniform(k, (n, x.size))  # uniformly random among free positions
-        grow_fn = jax.vmap(
-            lambda v, i, c, s, size=x.size, cap=x.capacity: _grow(v, i, c, s, size=size, k_max=cap)
+        if out:  # one layer after the other: one layer's temporaries alive at a time
+            pi = _after(pi, out[-1][0])
+        draws = min(x.capacity, max(256, math.ceil(4 * fraction * x.size)))
+        ni, taken = _per_layer(
+            lambda i, c, k, size=x.size, draws=draws: _grow_random(i, c, k, size=size, draws=draws),
+            pi,
+            g,
+            jr.split(k, n),
         )
-        nv, ni, taken = grow_fn(pv, pi, g, scores)
-        new_layers.append(
-            dataclasses.replace(
-                x,
-                values=nv.reshape(x.values.shape),
-                indices=ni.reshape(x.indices.shape),
-                threshold_exp=jnp.broadcast_to(new_exp, x.threshold_exp.shape),
+        out.append(
+            (
+                ni.reshape(x.indices.shape),
+                (prune | taken).reshape(x.values.shape),
+                jnp.broadcast_to(new_exp, x.threshold_exp.shape),
             )
         )
-        resets.append((prune | taken).reshape(x.values.shape))
-    return _apply(state, flat, treedef, where, new_layers, resets)
+    return out
 
 
 def _dsr_period(step: Array, period: int, total_steps: int | None) -> Array:
@@ -300,12 +362,12 @@ def dsr(
         p = _dsr_period(state.step, period, total_steps)
         do = (p > 0) & (state.step % jnp.maximum(p, 1) == 0)
 
-        def rewire(s):
-            return _dsr_rewire(
-                s, info.key, threshold=threshold, fraction=fraction, tolerance=tolerance
+        def changes(layers):
+            return _dsr_changes(
+                layers, info.key, threshold=threshold, fraction=fraction, tolerance=tolerance
             )
 
-        return _when(do, rewire, state)
+        return _rewire(state, do, changes)
 
     return hook
 
@@ -326,16 +388,16 @@ def _drop_fraction(
     return jnp.float32(fraction), on
 
 
-def _swap_rewire(state: Any, key: Array, f: Array, k_max_of, scores_of):
-    """Per layer: drop the `floor(f * nnz)` smallest-magnitude weights and grow as many at
-    the free positions of highest score (`scores_of(layer_index, n, key)`)."""
-    flat, treedef, where = _sparse_of(state.model)
-    layers = [flat[i][1] for i in where]
-    new_layers, resets = [], []
-    keys = jr.split(key, len(layers))
-    for j, (x, k) in enumerate(zip(layers, keys, strict=True)):
+def _swap_changes(layers: list, key: Array, f: Array, k_max_of, dense_scores):
+    """Per layer, for `_rewire`: drop the `floor(f * nnz)` smallest-magnitude weights and
+    grow as many: at the free positions of highest dense score (`dense_scores[j]`, the
+    j-th sparse layer's) or, with `dense_scores=None`, at uniformly random free positions."""
+    out = []
+    for j, (x, k) in enumerate(zip(layers, jr.split(key, len(layers)), strict=True)):
         n = math.prod(x.stack_shape)
         v, i = _flat2(x.values, n), _flat2(x.indices, n)
+        if out:  # one layer after the other: one layer's temporaries alive at a time
+            v, i = _after(v, out[-1][0]), _after(i, out[-1][0])
         size, cap, k_max = x.size, x.capacity, k_max_of(x)
 
         def one(v, i, s, size=size, cap=cap, k_max=k_max):
@@ -346,18 +408,17 @@ def _swap_rewire(state: Any, key: Array, f: Array, k_max_of, scores_of):
             order = jnp.argsort(mag, stable=True)
             rank = jnp.zeros((cap,), jnp.int32).at[order].set(jnp.arange(cap, dtype=jnp.int32))
             prune = rank < count
-            pv, pi = _prune(v, i, prune, size)
-            nv, ni, taken = _grow(pv, pi, count, s, size=size, k_max=k_max)
-            return nv, ni, prune | taken
+            pi = _prune(i, prune, size)
+            if dense_scores is None:
+                ni, taken = _grow_random(pi, count, s, size=size, draws=k_max)
+            else:
+                ni, taken = _grow_best(pi, count, s, size=size, k_max=k_max)
+            return ni, prune | taken
 
-        nv, ni, reset = jax.vmap(one)(v, i, scores_of(j, x, n, k))
-        new_layers.append(
-            dataclasses.replace(
-                x, values=nv.reshape(x.values.shape), indices=ni.reshape(x.indices.shape)
-            )
-        )
-        resets.append(reset.reshape(x.values.shape))
-    return _apply(state, flat, treedef, where, new_layers, resets)
+        s = jr.split(k, n) if dense_scores is None else jnp.abs(dense_scores[j]).reshape(n, size)
+        ni, reset = _per_layer(one, v, i, s)
+        out.append((ni.reshape(x.indices.shape), reset.reshape(x.values.shape), x.threshold_exp))
+    return out
 
 
 def _swap_hook(
@@ -386,20 +447,11 @@ def _swap_hook(
         f, on = _drop_fraction(state.step, fraction, decay, stop)
         do = on & (state.step % period == 0)
 
-        def rewire(s):
-            if gradient:
-                dense = _dense_grads(s.model, info.grad_fn)
+        def changes(layers):
+            dense = _dense_grads(state.model, info.grad_fn) if gradient else None
+            return _swap_changes(layers, info.key, f, k_max_of, dense)
 
-                def scores_of(j, x, n, k):
-                    return jnp.abs(dense[j]).reshape(n, x.size)
-            else:
-
-                def scores_of(j, x, n, k):
-                    return jr.uniform(k, (n, x.size))
-
-            return _swap_rewire(s, info.key, f, k_max_of, scores_of)
-
-        return _when(do, rewire, state)
+        return _rewire(state, do, changes)
 
     return hook
 
@@ -428,7 +480,7 @@ def set_(
     fraction: float = 0.3,
     total_steps: int | None = None,
     end: float = 0.75,
-    decay: Literal["constant", "cosine"] = "constant",
+    decay: str = "constant",
 ) -> Hook:
     """Sparse Evolutionary Training (Mocanu et al., 2018) as an `after_update` hook.
 
@@ -475,7 +527,7 @@ def rigl(
     fraction: float = 0.3,
     total_steps: int | None = None,
     end: float = 0.75,
-    decay: Literal["constant", "cosine"] = "cosine",
+    decay: str = "cosine",
 ) -> Hook:
     """RigL (Evci et al., 2020) as an `after_update` hook.
 

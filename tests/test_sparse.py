@@ -1,0 +1,201 @@
+"""Sparse layers and the conversions: values-only parameters that equal the dense layer."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jaxtyping
+import numpy as np
+import pytest
+
+import eqx_lowmem as el
+from eqx_lowmem import sparse as sp
+
+
+def _dense_grad_at_indices(layer, grad_weight):
+    """The dense weight gradient gathered at each slot's index (0 at empty slots)."""
+    flat = grad_weight.reshape(-1)
+    idx = np.asarray(layer.indices).astype(np.int64)
+    gathered = np.where(idx < layer.size, np.asarray(flat)[np.minimum(idx, layer.size - 1)], 0.0)
+    return gathered
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_value_gradient_is_dense_gradient_at_indices(kind, getkey):
+    if kind == "linear":
+        dense = eqx.nn.Linear(12, 7, key=getkey())
+        x = jr.normal(getkey(), (5, 12))
+    else:
+        dense = eqx.nn.Conv2d(3, 4, 3, padding=1, stride=2, key=getkey())
+        x = jr.normal(getkey(), (5, 3, 7, 7))
+    sparse = sp.sparsify(dense, 0.4, key=getkey(), slack=0.25)
+    assert type(sparse) is (sp.SparseLinear if kind == "linear" else sp.SparseConv2d)
+    assert int(sparse.nnz()) < sparse.capacity  # some empty slots, which must get zero
+
+    def loss(model):
+        return jnp.sum(jnp.sin(jax.vmap(model)(x)))
+
+    g_sparse = eqx.filter_grad(loss)(sparse)
+    g_dense = eqx.filter_grad(loss)(sp.densify(sparse))
+    expected = _dense_grad_at_indices(sparse, g_dense.weight)
+    np.testing.assert_allclose(np.asarray(g_sparse.values), expected, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(g_sparse.bias, g_dense.bias, rtol=0, atol=1e-6)
+    empty = np.asarray(sparse.indices) >= sparse.size
+    assert np.all(np.asarray(g_sparse.values)[empty] == 0.0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda k: eqx.nn.Linear(6, 5, key=k),
+        lambda k: eqx.nn.Linear(6, 5, use_bias=False, key=k),
+        lambda k: eqx.nn.Linear("scalar", 3, key=k),
+        lambda k: eqx.nn.Linear(4, "scalar", key=k),
+        lambda k: eqx.nn.Conv2d(4, 6, 3, stride=2, padding=1, dilation=1, key=k),
+        lambda k: eqx.nn.Conv2d(4, 6, (3, 2), padding="SAME", groups=2, key=k),
+        lambda k: eqx.nn.Conv2d(2, 3, 3, padding=1, padding_mode="REFLECT", key=k),
+        lambda k: eqx.nn.Conv2d(2, 3, 3, padding="SAME", padding_mode="CIRCULAR", key=k),
+    ],
+)
+def test_density_one_equals_the_dense_layer(make, getkey):
+    dense = make(getkey())
+    sparse = sp.sparsify(dense, 1.0, key=getkey())
+    assert sparse.capacity == sparse.size and int(sparse.nnz()) == sparse.size
+    if isinstance(dense, eqx.nn.Linear):
+        shape = () if dense.in_features == "scalar" else (dense.in_features,)
+    else:
+        shape = (dense.in_channels, 9, 8)
+    x = jr.normal(getkey(), (3, *shape))
+    np.testing.assert_allclose(jax.vmap(sparse)(x), jax.vmap(dense)(x), rtol=1e-5, atol=1e-6)
+    assert eqx.tree_equal(sp.densify(sparse), dense)
+
+
+def test_sparse_forward_equals_densified_model(getkey):
+    net = el.nn.mlp([10, 32, 32, 3], key=getkey())
+    sparse = sp.sparsify(net, 0.3, key=getkey())
+    x = jr.normal(getkey(), (4, 10))
+    dense = sp.densify(sparse)
+    np.testing.assert_allclose(jax.vmap(sparse)(x), jax.vmap(dense)(x), rtol=1e-5, atol=1e-6)
+    # densify keeps the dense weights only where the slots point
+    for (_, s), d in zip(sp.sparse_layers(sparse), dense.layers, strict=True):
+        assert int(jnp.sum(d.weight != 0)) == int(s.nnz())
+
+
+def test_counts_uniform_and_erk(getkey):
+    net = el.nn.mlp([64, 128, 128, 10], key=getkey())
+    for distribution in ("uniform", "erk"):
+        sparse = sp.sparsify(net, 0.3, key=getkey(), distribution=distribution)
+        s = sp.stats(sparse)
+        assert s.layers == 3 and s.size == 64 * 128 + 128 * 128 + 128 * 10
+        assert abs(s.nnz - 0.3 * s.size) <= 3  # one rounding per layer
+        assert s.capacity == s.nnz
+        for _, layer in sp.sparse_layers(sparse):
+            live = np.asarray(layer.indices)
+            assert len(set(live.tolist())) == live.size and live.max() < layer.size
+    erk = sp.sparsify(net, 0.3, key=getkey(), distribution="erk")
+    dens = [int(x.nnz()) / x.size for _, x in sp.sparse_layers(erk)]
+    assert dens[2] == 1.0 and dens[0] > dens[1]  # small layers denser; the last one dense
+    assert sp.erk_densities([(10, 10)], 0.5) == [0.5]
+
+
+def test_slack_and_index_dtypes(getkey):
+    net = el.nn.mlp([8, 16, 4], key=getkey())
+    sparse = sp.sparsify(net, 0.5, key=getkey(), slack=0.5)
+    first, last = sparse.layers
+    assert first.indices.dtype == jnp.int16 and last.indices.dtype == jnp.int8
+    assert first.capacity == 96 and int(first.nnz()) == 64
+    assert np.all(np.asarray(first.values)[64:] == 0) and np.all(first.indices[64:] == 128)
+    assert sp.index_dtype(127) == jnp.int8 and sp.index_dtype(128) == jnp.int16
+    assert sp.index_dtype(32767) == jnp.int16 and sp.index_dtype(32768) == jnp.int32
+    assert sp.stats(sparse).index_bytes == 96 * 2 + 48 * 1 + 2 * 4
+
+
+def test_stacked_layers_of_the_encoder(getkey):
+    enc = el.nn.transformer_encoder(3, 16, 2, 32, key=getkey(), remat=True)
+    sparse = sp.sparsify(enc, 0.3, key=getkey(), slack=0.1)
+    paths = [p for p, _ in sp.sparse_layers(sparse)]
+    assert len(paths) == 4 and all(p.endswith(("qkv", "proj", "ff1", "ff2")) for p in paths)
+    qkv = sparse.blocks.qkv
+    assert qkv.stack_shape == (3,) and qkv.values.shape == (3, qkv.capacity)
+    assert qkv.threshold_exp.shape == (3,)
+    # each layer of the stack has its own positions, the same count
+    assert not np.array_equal(qkv.indices[0], qkv.indices[1])
+    np.testing.assert_array_equal(qkv.nnz(), [round(0.3 * qkv.size)] * 3)
+    assert eqx.tree_equal(sp.densify(sp.sparsify(enc, 1.0, key=getkey())), enc)
+    with pytest.raises(ValueError, match="stacked layers"):
+        qkv(jnp.ones(16))
+
+
+@pytest.mark.xfail(
+    raises=jaxtyping.TypeCheckError,
+    strict=False,
+    reason="eqx_lowmem/nn/_block.py's _dense is annotated `layer: eqx.nn.Linear`; it must "
+    "accept eqx_lowmem.sparse.SparseLinear too (it reads .weight and .bias, which both have)",
+)
+def test_sparse_encoder_forward(getkey):
+    enc = el.nn.transformer_encoder(2, 16, 2, 32, key=getkey(), remat=True)
+    sparse = sp.sparsify(enc, 0.3, key=getkey())
+    x = jr.normal(getkey(), (2, 5, 16))
+    np.testing.assert_allclose(
+        jax.vmap(sparse)(x), jax.vmap(sp.densify(sparse))(x), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_sixteen_bit_values_keep_integer_indices(getkey):
+    net = sp.sparsify(el.nn.mlp([8, 16, 4], key=getkey()), 0.5, key=getkey())
+    half = el.precision.get_policy("half_bf16").cast_to_param(net)
+    layer = half.layers[0]
+    assert layer.values.dtype == jnp.bfloat16 and layer.indices.dtype == jnp.int16
+    assert layer.threshold_exp.dtype == jnp.int32
+    y = half(jnp.ones(8, jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16 and y.shape == (4,)
+
+
+def test_bad_inputs(getkey):
+    net = el.nn.mlp([8, 16, 4], key=getkey())
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="density="):
+            sp.sparsify(net, bad, key=getkey())
+    with pytest.raises(ValueError, match="capacity"):
+        sp.SparseLinear.from_dense(net.layers[0], 0.5, key=getkey(), capacity=10)
+    with pytest.raises(ValueError, match="capacity"):
+        sp.SparseLinear.from_dense(net.layers[0], 0.5, key=getkey(), capacity=1000)
+    with pytest.raises(ValueError, match="slack=-0.1 would give a capacity below"):
+        sp.sparsify(net, 0.5, key=getkey(), slack=-0.1)
+    with pytest.raises(ValueError, match="distribution='erdos'"):
+        sp.sparsify(net, 0.5, key=getkey(), distribution="erdos")
+    with pytest.raises(ValueError, match=r"exclude names \['.layers\[5\]'\]"):
+        sp.sparsify(net, 0.5, key=getkey(), exclude=[".layers[5]"])
+    with pytest.raises(ValueError, match="no eqx.nn.Linear"):
+        sp.sparsify(net, 0.5, key=getkey(), exclude=[".layers[0]", ".layers[1]"])
+    with pytest.raises(ValueError, match=r"density\('.layers\[1\]'\)=2"):
+        sp.sparsify(net, lambda path, layer: 2 if "1" in path else 0.5, key=getkey())
+    model = (net, eqx.nn.Conv1d(2, 3, 3, key=getkey()), eqx.nn.Embedding(10, 4, key=getkey()))
+    with pytest.raises(TypeError, match=r"equinox.*Conv1d at '\[1\]'.*exclude=\['\[1\]'\]"):
+        sp.sparsify(model, 0.5, key=getkey())
+    with pytest.raises(TypeError, match=r"Embedding at '\[2\]'"):
+        sp.sparsify(model, 0.5, key=getkey(), exclude=["[1]"])
+    kept = sp.sparsify(model, 0.5, key=getkey(), exclude=lambda p, x: p != "[0].layers[0]")
+    assert sp.stats(kept).layers == 1 and isinstance(kept[0].layers[1], eqx.nn.Linear)
+    with pytest.raises(TypeError, match="indices must be integers"):
+        sp.SparseLinear(
+            values=jnp.zeros(3),
+            indices=jnp.zeros(3),
+            bias=None,
+            threshold_exp=jnp.zeros((), jnp.int32),
+            in_features=2,
+            out_features=2,
+            use_bias=False,
+        )
+    with pytest.raises(ValueError, match="expects one example of shape \\(8,\\)"):
+        sp.sparsify(net, 0.5, key=getkey()).layers[0](jnp.ones((2, 8)))
+
+
+def test_per_layer_density_function(getkey):
+    net = el.nn.mlp([8, 16, 16, 4], key=getkey())
+    sparse = sp.sparsify(
+        net, lambda path, layer: 1.0 if path == ".layers[2]" else 0.25, key=getkey()
+    )
+    counts = [int(x.nnz()) for _, x in sp.sparse_layers(sparse)]
+    assert counts == [32, 64, 64]
+    assert sp.density(net) == 1.0 and sp.stats(net).layers == 0
