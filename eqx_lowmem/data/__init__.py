@@ -5,5 +5,6 @@
 - `prefetch`: put the next batches on the device from a background thread.
 """
 
+from ._fashion_mnist import fashion_mnist as fashion_mnist
 from ._prefetch import prefetch as prefetch
 from ._stream import DataStream as DataStream
