@@ -217,13 +217,16 @@ def allocate(total: Int[Array, ""], weight: Array, room: Array) -> Array:
         open_ = room - given > 0
         w = jnp.where(open_, weight, 0.0)
         w = jnp.where(jnp.sum(w) > 0, w, open_.astype(jnp.float32))
-        share = jnp.floor(rem.astype(jnp.float32) * w / jnp.sum(w)).astype(jnp.int32)
-        share = jnp.minimum(share, room - given)
+        exact = rem.astype(jnp.float32) * w / jnp.sum(w)
+        share = jnp.minimum(jnp.floor(exact).astype(jnp.int32), room - given)
         # Float rounding must never hand out more than what remains.
         share = jnp.minimum(share, jnp.maximum(rem - (jnp.cumsum(share) - share), 0))
-        # All shares floored to zero: one each to the first open layers.
-        ones = (open_ & (jnp.cumsum(open_.astype(jnp.int32)) <= rem)).astype(jnp.int32)
-        share = jnp.where(jnp.sum(share) == 0, ones, share)
+        # The remainder, one each, to the open layers with the largest fractional parts.
+        left = rem - jnp.sum(share)
+        frac = jnp.where(room - given - share > 0, exact - share.astype(jnp.float32), -1.0)
+        order = jnp.argsort(-frac, stable=True)
+        place = jnp.zeros_like(room).at[order].set(jnp.arange(room.shape[0], dtype=jnp.int32))
+        share = share + ((place < left) & (frac >= 0)).astype(jnp.int32)
         return given + share, it + 1
 
     def cond(carry):

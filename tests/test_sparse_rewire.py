@@ -1,0 +1,331 @@
+"""Rewiring hooks (DSR, SET, RigL) inside the real training step: invariants, the paper's
+threshold rule, a dense-mask reference, optimizer state, no recompilation, checkpoints."""
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+
+import eqx_lowmem as el
+from eqx_lowmem import sparse as sp
+
+
+class Info(NamedTuple):  # the fields of eqx_lowmem.train's UpdateInfo that hooks read
+    grads: Any
+    key: Any
+    grad_fn: Any
+
+
+def _data(key, n=32):
+    kx, ky = jr.split(key)
+    return jr.normal(kx, (n, 8)), jr.normal(ky, (n, 3))
+
+
+def _model(key, density=0.3, slack=0.2):
+    net = el.nn.mlp([8, 24, 24, 3], key=jr.fold_in(key, 0), activation=jnp.tanh)
+    return sp.sparsify(net, density, key=jr.fold_in(key, 1), slack=slack)
+
+
+def _moments(opt_state):
+    """Every array subtree of the optimizer state that is shaped like the model."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, el.nn.MLP):
+            found.append(node)
+        return node
+
+    jax.tree.map(visit, opt_state, is_leaf=lambda x: isinstance(x, el.nn.MLP))
+    return found
+
+
+def _check_invariants(model, opt_state):
+    for path, layer in sp.sparse_layers(model):
+        idx = np.asarray(layer.indices).reshape(-1)
+        live = idx[idx < layer.size]
+        assert len(set(live.tolist())) == live.size, f"{path}: an index repeats"
+        assert idx.min() >= 0 and idx.max() <= layer.size
+        empty = idx >= layer.size
+        assert np.all(np.asarray(layer.values, np.float32).reshape(-1)[empty] == 0)
+    for moment in _moments(opt_state):
+        for (_, layer), m in zip(
+            sp.sparse_layers(model), [x for _, x in sp.sparse_layers(moment)], strict=True
+        ):
+            empty = np.asarray(layer.indices) >= layer.size
+            assert np.all(np.asarray(m.values, np.float32)[empty] == 0)
+
+
+@pytest.mark.parametrize("name", ["dsr", "set", "rigl"])
+def test_invariants_after_rewiring_in_the_step(name, getkey):
+    hooks = {
+        "dsr": sp.dsr(period=2, fraction=0.05, threshold=0.05),
+        "set": sp.set_(period=2),
+        "rigl": sp.rigl(period=2, total_steps=40),
+    }
+    model = _model(getkey())
+    step = el.train.make_step(el.train.mse, optax.adam(1e-2), after_update=hooks[name])
+    state = step.init(model, key=getkey())
+    before = [np.asarray(x.nnz()) for _, x in sp.sparse_layers(state.model)]
+    first = [np.asarray(x.indices) for _, x in sp.sparse_layers(state.model)]
+    batch = _data(getkey())
+    for _ in range(8):
+        state, metrics = step(state, batch)
+        assert bool(metrics["finite"])
+    after = [np.asarray(x.nnz()) for _, x in sp.sparse_layers(state.model)]
+    if name == "dsr":
+        assert sum(int(a.sum()) for a in after) == sum(int(b.sum()) for b in before)
+        assert any(not np.array_equal(a, b) for a, b in zip(after, before, strict=True))
+    else:
+        for a, b in zip(after, before, strict=True):
+            np.testing.assert_array_equal(a, b)
+    moved = [
+        not np.array_equal(np.asarray(x.indices), f)
+        for (_, x), f in zip(sp.sparse_layers(state.model), first, strict=True)
+    ]
+    assert all(moved)
+    _check_invariants(state.model, state.opt_state)
+    assert step._jitted._cache_size() == 1  # rewiring never recompiles
+
+
+def test_dsr_threshold_rule_on_a_hand_made_set():
+    # Two layers of 4x4 with 8 slots each (6 occupied, 2 free): known magnitudes.
+    def layer(values, occupied):
+        indices = np.full(8, 16, np.int8)
+        indices[: len(occupied)] = occupied
+        v = np.zeros(8, np.float32)
+        v[: len(values)] = values
+        return sp.SparseLinear(
+            values=jnp.asarray(v),
+            indices=jnp.asarray(indices),
+            bias=None,
+            threshold_exp=jnp.zeros((), jnp.int32),
+            in_features=4,
+            out_features=4,
+            use_bias=False,
+        )
+
+    a = layer([0.0005, 0.002, 0.5, -0.0001, 0.3, 0.7], [0, 1, 2, 3, 4, 5])
+    b = layer([0.9, -0.8, 0.0009, 0.6, 0.5, 0.4], [10, 11, 12, 13, 14, 15])
+    model = (a, b)
+    momentum = jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_inexact_array))
+    state = el.train.TrainState(
+        step=jnp.asarray(100, jnp.int32),
+        model=model,
+        opt_state=(optax.TraceState(trace=momentum), optax.EmptyState()),
+        key=jr.PRNGKey(0),
+    )
+    # H = 1e-3 prunes |w| < 1e-3: a's 0.0005 and -0.0001, b's 0.0009 (3 weights). The
+    # target is fraction * 32 = 3.2 weights, so 3 < (1 - 0.1) * 3.2 = 2.88 is false and
+    # 3 > 3.52 is false: H stays.
+    hook = sp.dsr(period=100, fraction=0.1, threshold=1e-3, tolerance=0.1)
+    new = hook(state, Info(None, jr.PRNGKey(1), None))
+    na, nb = new.model
+    assert int(na.threshold_exp) == 0 and int(nb.threshold_exp) == 0
+    for old, lay in ((a, na), (b, nb)):
+        kept = {int(i): float(v) for i, v in zip(old.indices, old.values, strict=True) if i < 16}
+        now = {int(i): float(v) for i, v in zip(lay.indices, lay.values, strict=True) if i < 16}
+        survivors = {i for i, v in kept.items() if abs(v) >= 1e-3}
+        assert survivors <= set(now) and all(now[i] == kept[i] for i in survivors)
+        assert all(now[i] == 0.0 for i in set(now) - survivors)  # grown at zero
+    # 3 regrown in proportion to survivors (a: 4, b: 5): allocate gives a 1 (+1), b 1 (+0)
+    assert int(na.nnz()) + int(nb.nnz()) == 12
+    np.testing.assert_array_equal(
+        sp.allocate(jnp.int32(3), jnp.array([4, 5]), jnp.array([4, 3])), [1, 2]
+    )
+    assert int(na.nnz()) == 4 + 1 and int(nb.nnz()) == 5 + 2
+    # pruned and grown slots carry zero momentum, untouched slots keep theirs
+    trace_a = new.opt_state[0].trace[0].values
+    pruned = (np.asarray(a.indices) < 16) & (np.abs(np.asarray(a.values)) < 1e-3)
+    changed = (np.asarray(na.indices) != np.asarray(a.indices)) | pruned
+    assert np.all(np.asarray(trace_a)[changed] == 0)
+    assert np.all(np.asarray(trace_a)[~changed] == 1)
+
+    # Too few pruned: H doubles. 1 weight below 1e-3 in a set where the target is 3.2.
+    few = (layer([0.0005, 0.5], [0, 1]), layer([0.9], [3]))
+    st = el.train.TrainState(
+        step=jnp.asarray(100, jnp.int32), model=few, opt_state=(), key=jr.PRNGKey(0)
+    )
+    out = hook(st, Info(None, jr.PRNGKey(2), None))
+    assert int(out.model[0].threshold_exp) == 1 and int(out.model[1].threshold_exp) == 1
+    # Too many pruned: H halves (target 0.01 * 32 = 0.32 weights, 1 pruned).
+    out = sp.dsr(period=100, fraction=0.01)(st, Info(None, jr.PRNGKey(2), None))
+    assert int(out.model[0].threshold_exp) == -1
+    # Not a rewiring step: nothing changes.
+    off = dataclasses.replace(st, step=jnp.asarray(101, jnp.int32))
+    same = hook(off, Info(None, jr.PRNGKey(2), None))
+    assert eqx.tree_equal(same.model, few)
+
+
+def _reference_rigl(model, batch, steps, period, fraction, total, lr):
+    """RigL written with dense weights and dense masks: Adam on masked gradients, then
+    every `period` updates drop the smallest active weights and grow where the dense
+    gradient is largest (lax.top_k, as a dense score), new weights and state at 0."""
+    dense = sp.densify(model)
+    masks = [w.weight != 0 for w in dense.layers]
+    opt = optax.adam(lr)
+    params, static = eqx.partition(dense, eqx.is_inexact_array)
+    opt_state = opt.init(params)
+
+    def loss(p):
+        return jnp.mean(el.train.mse(eqx.combine(p, static), *batch))
+
+    for t in range(1, steps + 1):
+        g = jax.grad(loss)(params)
+        g = eqx.tree_at(
+            lambda p: [x.weight for x in p.layers],
+            g,
+            [jnp.where(m, x.weight, 0.0) for x, m in zip(g.layers, masks, strict=True)],
+        )
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = opt.update(g, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        if t % period or t > int(0.75 * total):
+            continue
+        f = fraction / 2 * (1 + jnp.cos(jnp.pi * jnp.float32(t) / int(0.75 * total)))
+        g = jax.grad(loss)(params)
+        new_weights, new_masks, changed_all = [], [], []
+        for layer, grad, m in zip(params.layers, g.layers, masks, strict=True):
+            w, m = np.asarray(layer.weight).reshape(-1), np.asarray(m).reshape(-1)
+            n = int(m.sum())
+            k = int(jnp.floor(f * jnp.float32(n)))
+            mag = np.where(m, np.abs(w), np.inf)
+            drop = np.argsort(mag, kind="stable")[:k]
+            m2 = m.copy()
+            m2[drop] = False
+            score = jnp.where(jnp.asarray(m2), -jnp.inf, jnp.abs(grad.weight.reshape(-1)))
+            k_max = max(1, int(np.ceil(fraction * _capacity(model, w.size))))
+            _, grow = jax.lax.top_k(score, k_max)
+            grow = np.asarray(grow)[:k]
+            m3 = m2.copy()
+            m3[grow] = True
+            changed = np.zeros_like(m)
+            changed[drop] = True
+            changed[grow] = True
+            w = np.where(m3 & ~changed, w, 0.0)
+            new_weights.append(jnp.asarray(w.reshape(layer.weight.shape)))
+            new_masks.append(jnp.asarray(m3.reshape(layer.weight.shape)))
+            changed_all.append(jnp.asarray(changed.reshape(layer.weight.shape)))
+        params = eqx.tree_at(lambda p: [x.weight for x in p.layers], params, new_weights)
+        masks = new_masks
+
+        def zero(tree, changed_all=changed_all):
+            return eqx.tree_at(
+                lambda p: [x.weight for x in p.layers],
+                tree,
+                [
+                    jnp.where(c, 0.0, x.weight)
+                    for x, c in zip(tree.layers, changed_all, strict=True)
+                ],
+            )
+
+        adam = opt_state[0]
+        opt_state = (adam._replace(mu=zero(adam.mu), nu=zero(adam.nu)), *opt_state[1:])
+    return eqx.combine(params, static)
+
+
+def _capacity(model, size):
+    return next(x.capacity for _, x in sp.sparse_layers(model) if x.size == size)
+
+
+def test_rigl_step_equals_a_dense_mask_reference(getkey):
+    model = _model(getkey(), slack=0.0)
+    batch = _data(getkey())
+    steps, period, total, lr = 6, 2, 12, 1e-2
+    step = el.train.make_step(
+        el.train.mse, optax.adam(lr), after_update=sp.rigl(period=period, total_steps=total)
+    )
+    state = step.init(model, key=getkey())
+    for _ in range(steps):
+        state, _ = step(state, batch)
+    reference = _reference_rigl(model, batch, steps, period, 0.3, total, lr)
+    ours = sp.densify(state.model)
+    for a, b in zip(ours.layers, reference.layers, strict=True):
+        np.testing.assert_allclose(a.weight, b.weight, rtol=0, atol=1e-6)
+        assert np.array_equal(np.asarray(a.weight) != 0, np.asarray(b.weight) != 0)
+        np.testing.assert_allclose(a.bias, b.bias, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "optimizer,precision",
+    [
+        (optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, momentum=0.9)), None),
+        (optax.adamw(1e-2), "half_bf16"),
+    ],
+)
+def test_optimizer_state_zeroed_for_chains_and_half_state(optimizer, precision, getkey):
+    model = _model(getkey())
+    step = el.train.make_step(
+        el.train.mse, optimizer, precision=precision, after_update=sp.set_(period=1)
+    )
+    state = step.init(model, key=getkey())
+    batch = _data(getkey())
+    for _ in range(3):
+        state, _ = step(state, batch)
+    moments = _moments(state.opt_state)
+    assert len(moments) == (1 if precision is None else 2)
+    if precision is not None:
+        assert state.model.layers[0].values.dtype == jnp.bfloat16
+        assert state.model.layers[0].indices.dtype == jnp.int16
+    _check_invariants(state.model, state.opt_state)
+    # a slot grown in the last rewiring has value 0 and zero state everywhere
+    for moment in moments:
+        m = np.asarray(moment.layers[1].values, np.float32)
+        v = np.asarray(state.model.layers[1].values, np.float32)
+        live = np.asarray(state.model.layers[1].indices) < state.model.layers[1].size
+        assert np.any(live & (v == 0)) and np.all(m[live & (v == 0)] == 0)
+
+
+def test_checkpoint_resume_is_bit_identical(tmp_path, getkey):
+    model = _model(getkey())
+    step = el.train.make_step(
+        el.train.mse, optax.adam(1e-2), after_update=sp.dsr(period=2, fraction=0.05)
+    )
+    batch = _data(getkey())
+    key = getkey()
+    straight = step.init(model, key=key)
+    for _ in range(6):
+        straight, _ = step(straight, batch)
+    half = step.init(model, key=key)
+    for _ in range(3):
+        half, _ = step(half, batch)
+    el.train.save_checkpoint(tmp_path / "ckpt", half, {"step": 3})
+    like = step.init(model, key=key)
+    resumed, meta = el.train.load_checkpoint(tmp_path / "ckpt", like)
+    assert meta["step"] == 3
+    for _ in range(3):
+        resumed, _ = step(resumed, batch)
+    assert eqx.tree_equal(resumed, straight)
+    # a dense model's checkpoint does not load into the sparse state
+    dense_step = el.train.make_step(el.train.mse, optax.adam(1e-2))
+    dense_state = dense_step.init(sp.densify(model), key=key)
+    el.train.save_checkpoint(tmp_path / "dense", dense_state, {})
+    with pytest.raises(ValueError):
+        el.train.load_checkpoint(tmp_path / "dense", like)
+
+
+def test_bad_arguments(getkey):
+    for make in (sp.dsr, sp.set_, sp.rigl):
+        with pytest.raises(ValueError, match="period=0"):
+            make(period=0)
+        with pytest.raises(ValueError, match=r"fraction=0.0; expected a fraction in \(0, 1\]"):
+            make(fraction=0.0)
+        with pytest.raises(ValueError, match="total_steps=-5"):
+            make(total_steps=-5)
+    with pytest.raises(ValueError, match="tolerance=2.0"):
+        sp.dsr(tolerance=2.0)
+    with pytest.raises(ValueError, match="threshold=0.0"):
+        sp.dsr(threshold=0.0)
+    with pytest.raises(ValueError, match="decay='linear'"):
+        sp.rigl(decay="linear")
+    dense = el.nn.mlp([4, 3], key=getkey())
+    state = el.train.TrainState(
+        step=jnp.asarray(0, jnp.int32), model=dense, opt_state=(), key=getkey()
+    )
+    with pytest.raises(ValueError, match="no sparse layers"):
+        sp.dsr()(state, Info(None, getkey(), None))
