@@ -4,7 +4,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import jaxtyping
 import numpy as np
 import pytest
 
@@ -126,12 +125,6 @@ def test_stacked_layers_of_the_encoder(getkey):
         qkv(jnp.ones(16))
 
 
-@pytest.mark.xfail(
-    raises=jaxtyping.TypeCheckError,
-    strict=False,
-    reason="eqx_lowmem/nn/_block.py's _dense is annotated `layer: eqx.nn.Linear`; it must "
-    "accept eqx_lowmem.sparse.SparseLinear too (it reads .weight and .bias, which both have)",
-)
 def test_sparse_encoder_forward(getkey):
     enc = el.nn.transformer_encoder(2, 16, 2, 32, key=getkey(), remat=True)
     sparse = sp.sparsify(enc, 0.3, key=getkey())

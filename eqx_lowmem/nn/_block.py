@@ -1,6 +1,6 @@
 """The pre-LayerNorm transformer block, with named intermediates for remat policies."""
 
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -18,7 +18,8 @@ from ._remat import BLOCK_NAMES, Remat, RematArg, remat_policy, resolve_remat
 DEFAULT_CHUNK_SIZE = 64
 
 
-def _dense(layer: eqx.nn.Linear, x: Float[Array, "seq d_in"]) -> Float[Array, "seq d_out"]:
+def _dense(layer: Any, x: Float[Array, "seq d_in"]) -> Float[Array, "seq d_out"]:
+    # `layer`: an eqx.nn.Linear or anything with its `weight` and `bias` (a SparseLinear).
     y = x @ layer.weight.T
     return y if layer.bias is None else y + layer.bias[None, :]
 
