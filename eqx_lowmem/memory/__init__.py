@@ -1,5 +1,6 @@
 """Where the memory of a training step goes, and which combination of techniques fits."""
 
+from ..train._step import SHARDS as SHARDS
 from ._cost import (
     THROUGHPUTS as THROUGHPUTS,
     Cost as Cost,
@@ -16,7 +17,7 @@ from ._plan import (
     plan as plan,
 )
 from ._plot import plot_plan as plot_plan, plot_report as plot_report
-from ._report import SHARDS as SHARDS, memory_report as memory_report
+from ._report import memory_report as memory_report
 from ._residuals import (
     Residual as Residual,
     residual_bytes as residual_bytes,

@@ -40,8 +40,9 @@ import optax
 
 from ..nn import PRESETS as REMAT_PRESETS
 from ..precision._policy import PRESETS as PRECISION_PRESETS
+from ..train._step import SHARDS
 from ._plan import ACCUMULATES, PRECISIONS, TARGETS, BudgetError, default_remats, plan
-from ._report import SHARDS, memory_report
+from ._report import memory_report
 from ._units import parse_size
 
 BUILTIN_MODELS = ("encoder", "lm")

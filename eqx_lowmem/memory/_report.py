@@ -1,7 +1,6 @@
 """Where the memory of a training step goes, from compilation alone."""
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -34,48 +33,14 @@ from ._measure import check_measurable, measure_peak
 from ._result import MemoryReport
 from ._units import format_bytes
 
-SHARDS: tuple[str, ...] = ("data", "fsdp")
 
-
-def build_step(
-    loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation,
-    *,
-    accumulate: int = 1,
-    precision: str | Policy | None = None,
-    loss_scale: DynamicLossScale | Literal["auto"] | None = "auto",
-    has_state: bool = False,
-    mesh: Mesh | None = None,
-    data_axis: str = "data",
-    shard: str = "data",
-) -> Any:
-    """`eqx_lowmem.train.make_step` with these options (the report's and the planner's)."""
-    if shard not in SHARDS:
-        raise ValueError(f"shard={shard!r}; expected one of {SHARDS}.")
-    if shard != "data" and mesh is None:
-        raise ValueError(
-            f"shard={shard!r} shards over a mesh's {data_axis!r} axis: pass mesh= (e.g. "
-            "jax.sharding.Mesh(jax.devices(), ('data',)))."
-        )
-    kwargs: dict[str, Any] = {}
-    if mesh is not None:
-        kwargs.update(mesh=mesh, data_axis=data_axis)
-    if shard != "data":
-        if "shard" not in inspect.signature(make_step).parameters:
-            raise ValueError(
-                f"shard={shard!r}: this version of eqx_lowmem.train.make_step has no shard= "
-                "option; only shard='data' (replicated parameters) can be reported."
-            )
-        kwargs["shard"] = shard
-    return make_step(
-        loss_fn,
-        optimizer,
-        accumulate=accumulate,
-        precision=get_policy(precision),
-        loss_scale=loss_scale,
-        has_state=has_state,
-        **kwargs,
-    )
+def build_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
+               **options: Any) -> Any:  # fmt: skip
+    """`eqx_lowmem.train.make_step` with the report's and the planner's options (one place
+    where they build the step, so they cannot drift from what training runs)."""
+    if options.get("precision") is not None:
+        options["precision"] = get_policy(options["precision"])
+    return make_step(loss_fn, optimizer, **options)
 
 
 def float32_twin(policy: Policy) -> Policy | None:

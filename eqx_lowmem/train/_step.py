@@ -739,6 +739,11 @@ def make_step(
         )
     if shard not in SHARDS:
         raise ValueError(f"shard={shard!r}; expected one of {SHARDS}.")
+    if shard != "data" and mesh is None:
+        raise ValueError(
+            f"shard={shard!r} shards over a mesh's {data_axis!r} axis: pass mesh= (e.g. "
+            "jax.sharding.Mesh(jax.devices(), ('data',)))."
+        )
     if after_update is not None and not callable(after_update):
         raise TypeError(f"after_update must be callable, got {type(after_update).__name__}.")
     if jax.process_count() > 1 and mesh is None:
