@@ -437,3 +437,12 @@ def test_bad_labels_in_a_later_batch_stop_before_that_update():
     with pytest.raises(ValueError, match="micro-batch 2 of update 4 of epoch 1 .*batch\\[1\\]"):
         trainer.fit(X, labels, epochs=1, micro_batch=8, key=jr.PRNGKey(1), shuffle=False)
     assert int(trainer.state.step) == 3 and trainer.updates == 3
+
+
+def test_a_stream_split_over_processes_without_jax_distributed_is_refused(tmp_path):
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+    stream = el.data.DataStream((x, x[:, :1]), 4, process_index=0, process_count=2)
+    trainer = el.train.Trainer(el.nn.mlp([2, 1], key=jr.PRNGKey(0)), el.train.mse,
+                               optax.sgd(0.1), progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match=r"process_count=2.*jax\.distributed\.initialize"):
+        trainer.fit(epochs=1, key=jr.PRNGKey(1), stream=stream)

@@ -738,6 +738,13 @@ class Trainer:
                     f"{stream.batch_size} (the micro-batches); pass micro_batch=None (or the "
                     "stream's)."
                 )
+            if stream.process_count != jax.process_count():
+                raise ValueError(
+                    f"the stream is one of process_count={stream.process_count} parts, but "
+                    f"JAX runs {jax.process_count()} process(es): call "
+                    "jax.distributed.initialize(...) in every process before building the "
+                    "model and the stream, or build the stream with process_count=1."
+                )
             return stream
         if X is None:
             raise ValueError("fit() needs arrays X (and y) or stream=DataStream(...).")
