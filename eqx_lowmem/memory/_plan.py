@@ -20,11 +20,11 @@ from .._io import write_json
 from ..nn import PRESETS as REMAT_PRESETS
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy, get_policy
-from ..train._step import SHARDS
+from ..train._step import SHARDS, make_step
 from ._cost import THROUGHPUTS, Throughput, relative_time
 from ._inspect import batch_structs, precision_name
 from ._measure import time_step
-from ._report import build_step, float32_twin, step_report
+from ._report import float32_twin, step_report
 from ._result import PART_ADVICE, PART_LABELS, MemoryReport
 from ._units import format_bytes, format_flops, parse_size, remat_text
 
@@ -498,7 +498,7 @@ def plan(
     reports: dict[tuple, MemoryReport] = {}
 
     def step_of(accumulate: int, policy: Policy, shard: str) -> Any:
-        return build_step(
+        return make_step(
             loss_fn,
             optimizer,
             accumulate=accumulate,

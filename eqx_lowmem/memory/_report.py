@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ..precision._loss_scale import DynamicLossScale
-from ..precision._policy import Policy, get_policy
+from ..precision._policy import Policy
 from ..train._step import make_step
 from ._activations import group_residuals, micro_residuals
 from ._compile import compile_step, memory_figures
@@ -32,15 +32,6 @@ from ._inspect import (
 from ._measure import check_measurable, measure_peak
 from ._result import MemoryReport
 from ._units import format_bytes
-
-
-def build_step(loss_fn: Callable[..., Any], optimizer: optax.GradientTransformation,
-               **options: Any) -> Any:  # fmt: skip
-    """`eqx_lowmem.train.make_step` with the report's and the planner's options (one place
-    where they build the step, so they cannot drift from what training runs)."""
-    if options.get("precision") is not None:
-        options["precision"] = get_policy(options["precision"])
-    return make_step(loss_fn, optimizer, **options)
 
 
 def float32_twin(policy: Policy) -> Policy | None:
@@ -79,7 +70,7 @@ def step_report(
 ) -> MemoryReport:
     """The report of a built step (`memory_report` builds it; the planner reuses twins).
 
-    `step` is `build_step(loss_fn, ..., has_state=has_state, mesh=mesh, shard=shard)`.
+    `step` is `make_step(loss_fn, ..., has_state=has_state, mesh=mesh, shard=shard)`.
     `twin`, on XLA:CPU for a 16-bit compute dtype, is the report of the same step built
     with `float32_twin(step.policy)` (and `loss_scale=step.loss_scale`): the GPU/TPU
     estimate is its peak with its saved activations replaced by this step's.
@@ -364,7 +355,7 @@ def memory_report(
         data_axis=data_axis,
         shard=shard,
     )
-    step = build_step(loss_fn, optimizer, precision=precision, **options)
+    step = make_step(loss_fn, optimizer, precision=precision, **options)
     common: dict[str, Any] = dict(
         has_state=has_state,
         model_state=model_state,
@@ -377,7 +368,7 @@ def memory_report(
     twin_policy = float32_twin(step.policy)
     if twin_policy is not None:
         # The same step computing in float32, for the GPU/TPU estimate (one more compile).
-        twin_step = build_step(
+        twin_step = make_step(
             loss_fn, optimizer, precision=twin_policy, **{**options, "loss_scale": step.loss_scale}
         )
         twin = step_report(twin_step, loss_fn, model, batch, **common)
