@@ -232,6 +232,70 @@ def test_saved_residuals_take_shapes_including_integer_inputs():
     assert all(r.nbytes == np.prod(r.shape) * r.dtype.itemsize for r in res)
 
 
+class _TwoConvs(eqx.Module):
+    """One activation read by two convolutions (as a WideBlock's `act1`: conv1 and the 1x1
+    shortcut): both save it, and it is one buffer."""
+
+    a: eqx.nn.Conv2d
+    b: eqx.nn.Conv2d
+
+    def __init__(self, key):
+        ka, kb = jr.split(key)
+        self.a = eqx.nn.Conv2d(4, 8, 3, padding=1, use_bias=False, key=ka)
+        self.b = eqx.nn.Conv2d(4, 8, 1, use_bias=False, key=kb)
+
+    def __call__(self, x):
+        act = jax.ad_checkpoint.checkpoint_name(jax.nn.relu(x), "act")
+        return self.a(act) * self.b(act)
+
+
+def test_a_residual_saved_by_two_convolutions_counts_once():
+    model = _TwoConvs(jr.PRNGKey(0))
+    x = jnp.ones((4, 6, 6))
+    res = el.memory.saved_residuals(lambda m, x: jnp.sum(m(x)), model, x)
+    shared = [r for r in res if r.name == "act"]
+    assert len(shared) == 1  # each convolution saves its own broadcast_in_dim of it
+    assert shared[0].nbytes == x.size * 4
+    # The other saved arrays: the two weights (arguments), the ReLU's mask and its zeros,
+    # and the two convolutions' outputs (for the product): seven in all, not eight.
+    assert len(res) == 7
+
+
+def test_a_transposed_copy_of_a_saved_value_is_a_buffer_of_its_own():
+    def f(params, x):
+        y = jnp.sin(x)  # (4, 4): its transpose has the same shape, and other bytes
+        return jnp.sum((y @ params["v"]) ** 2) + jnp.sum((y.T @ params["w"]) ** 2)
+
+    params = {"v": jnp.ones((4, 3)), "w": jnp.ones((4, 3))}
+    res = el.memory.saved_residuals(f, params, jnp.ones((4, 4)))
+    saved_y = [r for r in res if r.source == "intermediate sin"]
+    assert len(saved_y) == 2  # y and y.T
+
+
+def test_wrn_first_blocks_count_their_shared_activation_once():
+    model, state = eqx.nn.make_with_state(el.nn.WideResNet)(10, 1, 10, key=jr.PRNGKey(0))
+    batch = (
+        jax.ShapeDtypeStruct((4, 3, 8, 8), jnp.float32),
+        jax.ShapeDtypeStruct((4,), jnp.int32),
+    )
+
+    def loss(model, state, x, y):
+        logits, state = model.batched(x, state)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y), state
+
+    report = el.memory.memory_report(
+        model, loss, optax.sgd(0.1), batch, has_state=True, model_state=state
+    )
+    act1 = [
+        g for g in report.activations
+        if g.name == "act1" and g.scope.endswith("WideResNet/eqx_lowmem.nn.WideBlock")
+    ]  # fmt: skip
+    # The three first blocks (each with a 1x1 shortcut on act1): one act1 each, the size of
+    # their inputs (16 channels at 8x8, 16 at 8x8, 32 at 4x4), not twice that.
+    assert sum(g.arrays for g in act1) == 3
+    assert sum(g.nbytes for g in act1) == 4 * 4 * (16 * 64 + 16 * 64 + 32 * 16)
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [

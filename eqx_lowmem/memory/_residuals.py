@@ -101,18 +101,41 @@ class _Origin(NamedTuple):
     var: Any  # the var it was traced back to, at the level of the jaxpr searched
     loops: tuple[int, ...]  # lengths of the scans it is stacked over, outermost first
     scope: tuple[str, ...]  # named scopes, outermost first
+    # The transparent operations between the residual and `var`, at the level searched,
+    # those that only add or drop unit axes (views of the same bytes) left out.
+    chain: tuple[str, ...] = ()
+
+
+# Layout primitives that never move bytes when they only add or drop axes of length 1: a
+# residual saved through one of them is the buffer of its operand (XLA bitcasts it).
+_VIEWS = {"reshape", "squeeze", "expand_dims", "broadcast_in_dim"}
+
+
+def _is_view(eqn) -> bool:
+    """An operation that only adds or drops unit axes of its operand (the same bytes)."""
+    if eqn.primitive.name not in _VIEWS:
+        return False
+    (out,), x = eqn.outvars, eqn.invars[0]
+    drop = [d for d in x.aval.shape if d != 1]
+    keep = [d for d in out.aval.shape if d != 1]
+    if drop != keep:
+        return False
+    # broadcast_in_dim must map the operand's axes in order (no transposition).
+    dims = eqn.params.get("broadcast_dimensions")
+    return dims is None or list(dims) == sorted(dims)
 
 
 def _describe(var, jaxpr, depth: int = 0) -> _Origin:
     """Where a var of `jaxpr` comes from: its checkpoint name, primitive, loops and scopes."""
     producers = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     eqn = producers.get(id(var))
+    chain: list[str] = []
     while eqn is not None and depth < 64:
         depth += 1
         prim = eqn.primitive.name
         scope = tuple(_scopes(eqn))
         if prim == "name":
-            return _Origin(eqn.params["name"], prim, var, (), scope)
+            return _Origin(eqn.params["name"], prim, var, (), scope, tuple(chain))
         inner = _inner_jaxpr(eqn)
         if inner is not None:
             # Outputs of call-like primitives (and of scan: carries, then stacked per-iteration
@@ -123,7 +146,7 @@ def _describe(var, jaxpr, depth: int = 0) -> _Origin:
                 loops = (int(eqn.params["length"]),)
             inner_var = inner.outvars[index]
             if isinstance(inner_var, jex_core.Literal):
-                return _Origin(None, prim, var, loops, scope)
+                return _Origin(None, prim, var, loops, scope, tuple(chain))
             got = _describe(inner_var, inner, depth)
             return _Origin(
                 got.name,
@@ -131,13 +154,16 @@ def _describe(var, jaxpr, depth: int = 0) -> _Origin:
                 var,
                 loops + got.loops,
                 scope + got.scope,
+                tuple(chain),
             )
         if prim in _TRANSPARENT and not isinstance(eqn.invars[0], jex_core.Literal):
+            if not _is_view(eqn):
+                chain.append(f"{prim}{sorted((k, str(v)) for k, v in eqn.params.items())}")
             var = eqn.invars[0]
             eqn = producers.get(id(var))
             continue
-        return _Origin(None, prim, var, (), scope)
-    return _Origin(None, "input", var, (), ())
+        return _Origin(None, prim, var, (), scope, tuple(chain))
+    return _Origin(None, "input", var, (), (), tuple(chain))
 
 
 def _is_float(x: Any) -> bool:
@@ -165,7 +191,8 @@ def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[R
             differentiated, others such as integer token ids are traced but not).
 
     Returns:
-        One `Residual` per saved array, named where a `checkpoint_name` marks it.
+        One `Residual` per saved buffer, named where a `checkpoint_name` marks it: a value
+        that several operations save (one activation feeding two convolutions) counts once.
 
     Example:
         >>> import jax.numpy as jnp, jax.random as jr
@@ -202,12 +229,20 @@ def saved_residuals(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[R
 
     results: list[Residual] = []
     seen: set[int] = set()
+    # One buffer, saved once: residuals that are the same traced value, or views of it that
+    # only add or drop unit axes (two convolutions of one input each save their own
+    # `broadcast_in_dim` of it; XLA keeps one buffer), count once.
+    buffers: set[tuple] = set()
     for var in res_vars:
         if isinstance(var, jex_core.Literal) or id(var) in seen:
             continue
         seen.add(id(var))
         aval = var.aval
         origin = _describe(var, jaxpr)
+        buffer = (id(origin.var), origin.chain, str(aval.dtype), int(np.prod(aval.shape)))
+        if buffer in buffers:
+            continue
+        buffers.add(buffer)
         if id(origin.var) in invar_path:
             source = f"argument {invar_path[id(origin.var)]}"
             if origin.var is not var:
