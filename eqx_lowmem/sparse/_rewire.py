@@ -2,14 +2,16 @@
 
 Each hook is `hook(state, info) -> state` for `eqx_lowmem.train.make_step(...,
 after_update=hook)`: it runs after a successful optimizer update (`state.step` already
-counts it) and, on rewiring steps only (a `lax.cond`), prunes some occupied slots of the
-sparse layers and grows as many new positions into free slots. Shapes and dtypes never
-change: no host round trip, no recompilation. Pruned and grown slots get value 0 and zero
+counts it) and, on rewiring steps only (one loop of zero or one trip per layer, one layer
+after the other), prunes some occupied slots of the sparse layers and grows as many new
+positions into free slots. Shapes and dtypes never change: no host round trip, no
+recompilation. Pruned and grown slots get value 0 and zero
 optimizer state (every optimizer-state subtree shaped like the parameters: optax's `mu`,
 `nu`, `trace`, ..., also inside `eqx_lowmem.precision.half_state` and `optax.chain`).
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -18,10 +20,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 from jaxtyping import Array, Int
 
 from ._convert import densify
-from ._layers import _after, is_sparse
+from ._layers import is_sparse
 
 Hook = Callable[[Any, Any], Any]
 _DECAYS = ("constant", "cosine")
@@ -45,11 +48,12 @@ def _flat2(x: Array, n: int) -> Array:
     return x.reshape(n, x.shape[-1])
 
 
-def _per_layer(fn: Callable, *args: Array) -> Any:
-    """`fn` on each layer of a stack (leading axis), one after the other (`lax.map`, not
-    `vmap`: one layer's temporaries at a time, and unbatched while loops)."""
-    if args[0].shape[0] == 1:
-        return jax.tree.map(lambda y: y[None], fn(*(a[0] for a in args)))
+def _per_layer(fn: Callable, *args: Any) -> Any:
+    """`fn` on each layer of a stack (leading axis of every array in `args`), one after the
+    other (`lax.map`, not `vmap`: one layer's temporaries at a time, and unbatched while
+    loops)."""
+    if jax.tree.leaves(args)[0].shape[0] == 1:
+        return jax.tree.map(lambda y: y[None], fn(*jax.tree.map(lambda a: a[0], args)))
     return jax.lax.map(lambda a: fn(*a), args)
 
 
@@ -68,13 +72,17 @@ def _slot_of_rank(free: Array) -> tuple[Array, Array]:
     return rank, slot
 
 
-def _grow_best(indices, n_grow, score, *, size: int, k_max: int):
-    """Fill up to `n_grow` free slots (index `size`) of one layer with the free positions
-    of highest `score` (a dense score; occupied positions never chosen).
-
-    Returns the new indices and the mask of slots filled."""
+def _candidates_best(indices, score, *, size: int, k_max: int) -> Array:
+    """The `k_max` free positions (not in `indices`) of highest dense `score`, best first
+    (distinct: `lax.top_k` over the dense score with occupied positions at -inf)."""
     score = jnp.where(_occupied(indices, size), -jnp.inf, score.astype(jnp.float32))
-    _, candidates = jax.lax.top_k(score, k_max)  # distinct positions, best first
+    return jax.lax.top_k(score, k_max)[1]
+
+
+def _place(indices, n_grow, candidates, *, size: int):
+    """Fill up to `n_grow` free slots (index `size`) of one layer, in slot order, with
+    `candidates` in order. Returns the new indices and the mask of slots filled."""
+    k_max = candidates.shape[0]
     free = indices >= size
     rank, _ = _slot_of_rank(free)
     take = free & (rank < n_grow)
@@ -90,8 +98,8 @@ def _grow_random(indices, n_grow, key, *, size: int, draws: int):
     among the free ones, without a dense score: rounds of `draws` random positions, each
     kept if free and not drawn before (rejection sampling), until `n_grow` are placed.
 
-    Memory: the dense occupancy mask (1 byte per weight) and a few arrays of `draws`.
-    Returns the new indices and the mask of slots filled."""
+    Memory: the dense occupancy mask (1 byte per weight), one int32 map of the free slots
+    and a few arrays of `draws`. Returns the new indices and the mask of slots filled."""
     cap = indices.shape[0]
     free = indices >= size
     _, slot_of = _slot_of_rank(free)
@@ -125,56 +133,110 @@ def _prune(indices, prune, size: int):
     return jnp.where(prune, jnp.asarray(size, indices.dtype), indices)
 
 
-def _zero_slots(opt_state: Any, model: Any, resets: dict[str, Array]) -> Any:
-    """Zero, in every optimizer-state subtree structured like the parameters, the entries
-    of the values leaves named in `resets` (keystr path -> mask) where the mask is True."""
-    params = eqx.filter(model, eqx.is_inexact_array)
-    pdef = jax.tree.structure(params)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    masks = [resets.get(p) for p in paths]
+class _Slots:
+    """Where each sparse layer's slot arrays live in a state: its `values` and every
+    optimizer-state leaf that shadows them (each optimizer-state subtree structured like
+    the parameters: optax's `mu`, `nu`, `trace`, ..., also inside
+    `eqx_lowmem.precision.half_state` and `optax.chain`)."""
 
-    def matches(node: Any) -> bool:
-        return jax.tree.structure(node) == pdef
-
-    def fix(node: Any) -> Any:
-        if not matches(node):
-            return node
-        leaves = jax.tree.leaves(node)
-        out = [
-            x
-            if m is None or not eqx.is_array(x) or x.shape != m.shape
-            else jnp.where(m, jnp.zeros((), x.dtype), x)
-            for x, m in zip(leaves, masks, strict=True)
+    def __init__(self, state: Any):
+        self.flat, self.treedef, self.where = _sparse_of(state.model)
+        self.layers = [self.flat[i][1] for i in self.where]
+        params = eqx.filter(state.model, eqx.is_inexact_array)
+        self.pdef = jax.tree.structure(params)
+        with_paths = jax.tree_util.tree_flatten_with_path(params)[0]
+        paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
+        values_key = jax.tree_util.GetAttrKey("values")
+        self.position = [
+            paths.index(jax.tree_util.keystr((*self.flat[i][0], values_key))) for i in self.where
         ]
-        return jax.tree.unflatten(pdef, out)
+        self.nodes, self.odef = jax.tree.flatten(state.opt_state, is_leaf=self._matches)
+        self.node_leaves = [
+            jax.tree.leaves(node) if self._matches(node) else None for node in self.nodes
+        ]
 
-    return jax.tree.map(fix, opt_state, is_leaf=matches)
+    def _matches(self, node: Any) -> bool:
+        return jax.tree.structure(node) == self.pdef
+
+    def _shadows(self, j: int) -> list[tuple[int, int]]:
+        shape, p = self.layers[j].values.shape, self.position[j]
+        return [
+            (k, p)
+            for k, leaves in enumerate(self.node_leaves)
+            if leaves is not None and eqx.is_array(leaves[p]) and leaves[p].shape == shape
+        ]
+
+    def get(self, j: int) -> list[Array]:
+        """Layer `j`'s values, then its optimizer-state entries."""
+        shadows = [self.node_leaves[k][p] for k, p in self._shadows(j)]  # pyright: ignore
+        return [self.layers[j].values, *shadows]
+
+    def set(self, j: int, slots: list[Array]) -> None:
+        self.layers[j] = dataclasses.replace(self.layers[j], values=slots[0])
+        for (k, p), s in zip(self._shadows(j), slots[1:], strict=True):
+            self.node_leaves[k][p] = s  # pyright: ignore[reportOptionalSubscript]
+
+    def state(self, state: Any) -> Any:
+        leaves = [x for _, x in self.flat]
+        for i, x in zip(self.where, self.layers, strict=True):
+            leaves[i] = x
+        nodes = [
+            node if ls is None else jax.tree.unflatten(self.pdef, ls)
+            for node, ls in zip(self.nodes, self.node_leaves, strict=True)
+        ]
+        model = jax.tree_util.tree_unflatten(self.treedef, leaves)
+        opt_state = jax.tree.unflatten(self.odef, nodes)
+        return dataclasses.replace(state, model=model, opt_state=opt_state)
 
 
-def _rewire(state: Any, do: Array, changes: Callable[[list], list]) -> Any:
-    """Rewire the sparse layers of `state.model` if `do`.
+def _when(do: Array, fn: Callable, carry: Any, extra: Any) -> Any:
+    """`fn(*carry, *extra)` if `do`, else `carry`: a while loop of zero or one trip, which
+    updates `carry` in place and whose body's temporaries exist only while it runs (a
+    `lax.cond` returning `carry` from one branch makes XLA copy its operands first)."""
 
-    `changes(layers)` returns, per sparse layer, its new indices, the mask of slots that
-    changed (pruned or grown) and its new threshold exponent. Only these small arrays come
-    out of the `lax.cond` (not a copy of the whole state); then the changed slots' values
-    and optimizer state are zeroed outside it (a no-op mask on other steps).
+    def body(c):
+        _, carry = c
+        return jnp.bool_(False), fn(*carry, *extra)
+
+    return jax.lax.while_loop(lambda c: c[0], body, (do, carry))[1]
+
+
+def _rewire(
+    state: Any, do: Array, plan: Callable, one: Callable, keys: Array, *, values: bool = True
+) -> Any:
+    """Rewire the sparse layers of `state` if `do`, strictly one layer after the other.
+
+    `plan(layers, do)` returns, per sparse layer, a small plan with the layer's
+    stacked-layer count as leading axis (anything when not `do`), and the layers' new
+    threshold exponent (or None to keep it). Then for each layer a loop of zero or one
+    trip (`_when`) runs `one(x, indices, plan, key[, values]) -> (indices, reset)` on every
+    stacked layer (flat `(capacity,)` arrays): its temporaries are that layer's only, and
+    it carries only the layer's indices and a bool mask of the slots that changed. The
+    values and every optimizer-state entry shadowing them are zeroed at those slots
+    outside it, in place (an elementwise pass on every step; a loop or cond carrying the
+    values and optimizer state would make XLA copy them all first).
     """
-    flat, treedef, where = _sparse_of(state.model)
-    layers = [flat[i][1] for i in where]
+    slots = _Slots(state)
+    layers = slots.layers
+    counts = [math.prod(x.stack_shape) for x in layers]
+    plans, exp = plan(list(layers), do)
+    for j, (x, n, k) in enumerate(zip(layers, counts, jr.split(keys, len(layers)), strict=True)):
 
-    def keep(_):
-        return [(x.indices, jnp.zeros(x.indices.shape, bool), x.threshold_exp) for x in layers]
+        def rewired(indices, reset, *extra, x=x):
+            del reset
+            return _per_layer(lambda *a: one(x, *a), indices, *extra)
 
-    out = jax.lax.cond(do, lambda _: changes(layers), keep, None)
-    leaves = [x for _, x in flat]
-    resets = {}
-    for i, x, (indices, reset, exp) in zip(where, layers, out, strict=True):
-        values = jnp.where(reset, jnp.zeros((), x.values.dtype), x.values)
-        leaves[i] = dataclasses.replace(x, values=values, indices=indices, threshold_exp=exp)
-        resets[jax.tree_util.keystr((*flat[i][0], jax.tree_util.GetAttrKey("values")))] = reset
-    model = jax.tree_util.tree_unflatten(treedef, leaves)
-    opt_state = _zero_slots(state.opt_state, state.model, resets)
-    return dataclasses.replace(state, model=model, opt_state=opt_state)
+        carry = (_flat2(x.indices, n), jnp.zeros((n, x.capacity), bool))
+        extra = (plans[j], jr.split(k, n), *([_flat2(x.values, n)] if values else []))
+        indices, reset = _when(do, rewired, carry, extra)
+        # Unconditional and in place (a cond or loop carrying these would copy them all).
+        reset = reset.reshape(x.values.shape)
+        slots.set(j, [jnp.where(reset, jnp.zeros((), s.dtype), s) for s in slots.get(j)])
+        fields = {"indices": indices.reshape(x.indices.shape)}
+        if exp is not None:
+            fields["threshold_exp"] = jnp.broadcast_to(exp, x.threshold_exp.shape)
+        layers[j] = dataclasses.replace(slots.layers[j], **fields)
+    return slots.state(state)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -237,20 +299,38 @@ def allocate(total: Int[Array, ""], weight: Array, room: Array) -> Array:
     return given
 
 
-def _dsr_changes(layers: list, key: Array, *, threshold: float, fraction: float, tolerance: float):
-    """Mostafa and Wang's reallocation for `_rewire`: prune below the global threshold,
-    regrow across layers in proportion to survivors, adapt the threshold."""
+def _dsr_plan(layers: list, do: Array, *, threshold: float, fraction: float, tolerance: float):
+    """Mostafa and Wang's global decision, for `_rewire`: the count each layer regrows
+    (freed weights across layers in proportion to survivors) and the adapted threshold.
+
+    Each layer's counts and prune mask come from its own loop of zero or one trip, chained
+    one after the other, so that only one layer's temporaries exist at a time; the layer's
+    rewiring then reads the mask, not the values (a second loop reading the values would
+    make XLA copy them and their optimizer state)."""
     counts = [math.prod(x.stack_shape) for x in layers]
     exp = layers[0].threshold_exp.reshape(-1)[0]
     cut = threshold * jnp.exp2(exp.astype(jnp.float32))
-    pruned, survivors, removed = [], [], []
+
+    survivors, removed, prunes = [], [], []
+    chain = jnp.zeros((), jnp.int32)
     for x, n in zip(layers, counts, strict=True):
-        v, i = _flat2(x.values, n), _flat2(x.indices, n)
-        prune = (i < x.size) & (jnp.abs(v).astype(jnp.float32) < cut)
-        pi = _prune(i, prune, x.size)
-        pruned.append((pi, prune))
-        survivors.append(jnp.sum((pi < x.size).astype(jnp.int32), axis=-1))
-        removed.append(jnp.sum(prune.astype(jnp.int32), axis=-1))
+
+        def count(kept, pruned, prune, i, v, chain, size=x.size):
+            del kept, pruned, prune, chain
+            live = i < size
+            prune = live & (jnp.abs(v).astype(jnp.float32) < cut)
+            pruned = jnp.sum(prune.astype(jnp.int32), axis=-1)
+            return jnp.sum(live.astype(jnp.int32), axis=-1) - pruned, pruned, prune
+
+        zeros = jnp.zeros((n,), jnp.int32)
+        init = (zeros, zeros, jnp.zeros((n, x.capacity), bool))
+        kept, pruned, prune = _when(
+            do, count, init, (_flat2(x.indices, n), _flat2(x.values, n), chain)
+        )
+        chain = pruned[0]
+        survivors.append(kept)
+        removed.append(pruned)
+        prunes.append(prune)
     survived = jnp.concatenate(survivors)
     total_removed = jnp.sum(jnp.concatenate(removed))
     capacity = jnp.concatenate(
@@ -266,28 +346,19 @@ def _dsr_changes(layers: list, key: Array, *, threshold: float, fraction: float,
         + (found < (1.0 - tolerance) * target).astype(jnp.int32)
         - (found > (1.0 + tolerance) * target).astype(jnp.int32)
     )
-    out, start = [], 0
-    keys = jr.split(key, len(layers))
-    for x, n, (pi, prune), k in zip(layers, counts, pruned, keys, strict=True):
-        g = grow[start : start + n]
-        start += n
-        if out:  # one layer after the other: one layer's temporaries alive at a time
-            pi = _after(pi, out[-1][0])
-        draws = min(x.capacity, max(256, math.ceil(4 * fraction * x.size)))
-        ni, taken = _per_layer(
-            lambda i, c, k, size=x.size, draws=draws: _grow_random(i, c, k, size=size, draws=draws),
-            pi,
-            g,
-            jr.split(k, n),
-        )
-        out.append(
-            (
-                ni.reshape(x.indices.shape),
-                (prune | taken).reshape(x.values.shape),
-                jnp.broadcast_to(new_exp, x.threshold_exp.shape),
-            )
-        )
-    return out
+    new_exp = jnp.where(do, new_exp, exp)
+    starts = np.cumsum([0, *counts])
+    grows = [grow[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
+    return list(zip(grows, prunes, strict=True)), new_exp
+
+
+def _dsr_one(x, i, plan, key, *, fraction: float):
+    """One layer for `_rewire`: prune what `_dsr_plan` found below the global threshold,
+    regrow its share at random free positions."""
+    grow, prune = plan
+    draws = min(x.capacity, max(256, math.ceil(4 * fraction * x.size)))
+    ni, taken = _grow_random(_prune(i, prune, x.size), grow, key, size=x.size, draws=draws)
+    return ni, prune | taken
 
 
 def _dsr_period(step: Array, period: int, total_steps: int | None) -> Array:
@@ -320,8 +391,10 @@ def dsr(
     model with `sparsify(..., slack=0.1)`. Without slack every layer can only regrow what
     it pruned (the authors' `within_param` heuristic, not DSR's reallocation).
 
-    Memory and time on rewiring steps only: one dense bool mask, one dense random score
-    and a top-k over it per layer (a dense weight's size, one layer at a time).
+    Memory and time on rewiring steps only, one layer at a time: one dense bool occupancy
+    mask (1 byte per dense weight) and a few int32 arrays of the layer's slots. On every
+    step: one elementwise pass zeroing the changed slots of the values and their
+    optimizer state (a no-op mask on other steps).
 
     Args:
         period: updates between rewirings. Paper and authors' code: 100 (CIFAR WRN).
@@ -365,12 +438,11 @@ def dsr(
         p = _dsr_period(state.step, period, total_steps)
         do = (p > 0) & (state.step % jnp.maximum(p, 1) == 0)
 
-        def changes(layers):
-            return _dsr_changes(
-                layers, info.key, threshold=threshold, fraction=fraction, tolerance=tolerance
-            )
-
-        return _rewire(state, do, changes)
+        plan = functools.partial(
+            _dsr_plan, threshold=threshold, fraction=fraction, tolerance=tolerance
+        )
+        one = functools.partial(_dsr_one, fraction=fraction)
+        return _rewire(state, do, plan, one, info.key, values=False)
 
     return hook
 
@@ -391,37 +463,17 @@ def _drop_fraction(
     return jnp.float32(fraction), on
 
 
-def _swap_changes(layers: list, key: Array, f: Array, k_max_of, dense_scores):
-    """Per layer, for `_rewire`: drop the `floor(f * nnz)` smallest-magnitude weights and
-    grow as many: at the free positions of highest dense score (`dense_scores[j]`, the
-    j-th sparse layer's) or, with `dense_scores=None`, at uniformly random free positions."""
-    out = []
-    for j, (x, k) in enumerate(zip(layers, jr.split(key, len(layers)), strict=True)):
-        n = math.prod(x.stack_shape)
-        v, i = _flat2(x.values, n), _flat2(x.indices, n)
-        if out:  # one layer after the other: one layer's temporaries alive at a time
-            v, i = _after(v, out[-1][0]), _after(i, out[-1][0])
-        size, cap, k_max = x.size, x.capacity, k_max_of(x)
-
-        def one(v, i, s, size=size, cap=cap, k_max=k_max):
-            active = i < size
-            count = jnp.floor(f * jnp.sum(active).astype(jnp.float32)).astype(jnp.int32)
-            count = jnp.minimum(count, k_max)
-            mag = jnp.where(active, jnp.abs(v).astype(jnp.float32), jnp.inf)
-            order = jnp.argsort(mag, stable=True)
-            rank = jnp.zeros((cap,), jnp.int32).at[order].set(jnp.arange(cap, dtype=jnp.int32))
-            prune = rank < count
-            pi = _prune(i, prune, size)
-            if dense_scores is None:
-                ni, taken = _grow_random(pi, count, s, size=size, draws=k_max)
-            else:
-                ni, taken = _grow_best(pi, count, s, size=size, k_max=k_max)
-            return ni, prune | taken
-
-        s = jr.split(k, n) if dense_scores is None else jnp.abs(dense_scores[j]).reshape(n, size)
-        ni, reset = _per_layer(one, v, i, s)
-        out.append((ni.reshape(x.indices.shape), reset.reshape(x.values.shape), x.threshold_exp))
-    return out
+def _swap_prune(i, v, f, *, size: int, k_max: int):
+    """(count, prune mask) of one layer: its `floor(f * nnz)` smallest magnitudes (at
+    most `k_max`), ties broken by slot order."""
+    cap = i.shape[0]
+    active = i < size
+    count = jnp.floor(f * jnp.sum(active).astype(jnp.float32)).astype(jnp.int32)
+    count = jnp.minimum(count, k_max)
+    mag = jnp.where(active, jnp.abs(v).astype(jnp.float32), jnp.inf)
+    order = jnp.argsort(mag, stable=True)
+    rank = jnp.zeros((cap,), jnp.int32).at[order].set(jnp.arange(cap, dtype=jnp.int32))
+    return count, rank < count
 
 
 def _swap_hook(
@@ -450,11 +502,41 @@ def _swap_hook(
         f, on = _drop_fraction(state.step, fraction, decay, stop)
         do = on & (state.step % period == 0)
 
-        def changes(layers):
-            dense = _dense_grads(state.model, info.grad_fn) if gradient else None
-            return _swap_changes(layers, info.key, f, k_max_of, dense)
+        def plan(layers, do):
+            if not gradient:  # SET: every layer decides alone
+                return [None] * len(layers), None
+            return jax.lax.cond(do, best_free, idle, layers), None
 
-        return _rewire(state, do, changes)
+        def idle(layers):
+            return [jnp.zeros((math.prod(x.stack_shape), k_max_of(x)), jnp.int32) for x in layers]
+
+        def best_free(layers):
+            # RigL: the dense gradient of every layer (one more backward pass), reduced
+            # here to each layer's k_max best free positions: all a layer's rewiring needs.
+            plans = []
+            for x, score in zip(layers, _dense_grads(state.model, info.grad_fn), strict=True):
+                n, k_max = math.prod(x.stack_shape), k_max_of(x)
+
+                def best(i, v, s, x=x, k_max=k_max):
+                    _, prune = _swap_prune(i, v, f, size=x.size, k_max=k_max)
+                    pi = _prune(i, prune, x.size)
+                    return _candidates_best(pi, jnp.abs(s), size=x.size, k_max=k_max)
+
+                score = score.reshape(n, x.size)
+                plans.append(_per_layer(best, _flat2(x.indices, n), _flat2(x.values, n), score))
+            return plans
+
+        def one(x, i, candidates, key, v):
+            k_max = k_max_of(x)
+            count, prune = _swap_prune(i, v, f, size=x.size, k_max=k_max)
+            pi = _prune(i, prune, x.size)
+            if gradient:
+                ni, taken = _place(pi, count, candidates, size=x.size)
+            else:
+                ni, taken = _grow_random(pi, count, key, size=x.size, draws=k_max)
+            return ni, prune | taken
+
+        return _rewire(state, do, plan, one, info.key)
 
     return hook
 
@@ -492,8 +574,9 @@ def set_(
     value 0 and zero optimizer state. Each layer keeps its count of non-zeros (no slack
     needed). The trailing underscore keeps Python's `set` builtin usable.
 
-    Memory and time on rewiring steps only: a dense random score, a bool mask and a top-k
-    per layer (one layer at a time), and a sort of each layer's slots.
+    Memory and time on rewiring steps only, one layer at a time: a dense bool occupancy
+    mask and a sort of the layer's slots; on every step, the elementwise zeroing pass of
+    `dsr`.
 
     Args:
         period: updates between rewirings. Mocanu et al. rewire once per epoch; RigL's
