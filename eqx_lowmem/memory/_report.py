@@ -116,7 +116,8 @@ def step_report(
         return out
 
     params = local(state.model, "model")
-    grads = local(eqx.filter(state.model, is_float), "model", jnp.float32)
+    # Each micro-batch's gradient and the accumulator, in the step's accumulate_dtype.
+    grads = local(eqx.filter(state.model, is_float), "model", step.accumulate_dtype)
     opt = local(state.opt_state, "opt_state")
     grad_bytes = sum(b for _, b in grads)
     sizes = {
@@ -133,6 +134,13 @@ def step_report(
     compute = step.policy.compute_dtype
     attention = model_attention(model, compute, backend)
     notes = _notes(backend, twin, sizes, peak, devices, shard, replicated, len(params))
+    if step.accumulate_dtype.itemsize == 2:
+        notes.append(
+            f"Gradients in {step.accumulate_dtype.name} (accumulate_dtype): each micro-batch's "
+            "gradient and the accumulator take 2 bytes per parameter; the float32 gradient of "
+            "the whole batch is formed after the last micro-batch, when the activations are "
+            "gone (in the compiled peak, not in the parts)."
+        )
     if twin is not None:
         accelerator = twin.peak_bytes - twin.sizes["activations"] + sizes["activations"]
     else:
@@ -169,6 +177,7 @@ def step_report(
     config = {
         "name": name,
         "accumulate": step.accumulate,
+        "accumulate_dtype": step.accumulate_dtype.name,
         "precision": precision_name(step.policy),
         "compute_dtype": str(jnp.dtype(compute)),
         "remat": remat,
@@ -271,6 +280,7 @@ def memory_report(
     accumulate: int = 1,
     precision: str | Policy | None = None,
     loss_scale: DynamicLossScale | Literal["auto"] | None = "auto",
+    accumulate_dtype: Any = jnp.float32,
     has_state: bool = False,
     model_state: PyTree = None,
     mesh: Mesh | None = None,
@@ -309,6 +319,8 @@ def memory_report(
         accumulate: micro-batches per batch (`make_step`'s).
         precision: a precision preset name or `Policy` (`make_step`'s).
         loss_scale: `make_step`'s.
+        accumulate_dtype: the dtype of the micro-batch gradients and of their accumulator
+            (`make_step`'s): the gradients part (and the accumulator) in its bytes.
         has_state: the loss takes and returns an `eqx.nn.State` (`make_step`'s).
         model_state: the model's `eqx.nn.State` (or its shapes), with `has_state=True`.
         mesh: report per device of this mesh (on CPU, devices from
@@ -349,6 +361,7 @@ def memory_report(
     """
     options: dict[str, Any] = dict(
         accumulate=accumulate,
+        accumulate_dtype=accumulate_dtype,
         loss_scale=loss_scale,
         has_state=has_state,
         mesh=mesh,

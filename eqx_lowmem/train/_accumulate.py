@@ -6,6 +6,12 @@ a batch add up to the sums of the whole batch, so `accumulate(fn, k)` (a `lax.sc
 micro-batches, each taking its own `grad`) has the signature and the result of `fn` on the
 whole batch, with one micro-batch of activations alive. The mean (sum / total weight) is
 taken once, after every micro-batch and every device: never a mean of means.
+
+With a 16-bit accumulator (`dtype=jnp.float16` or `jnp.bfloat16` for both `loss_grad` and
+`accumulate`), each micro-batch's gradient is kept in 16 bits at a mean's magnitude (the
+gradient of `scale * sum / count`, what the loss scale keeps in range) and added into a
+16-bit average of them; the float32 gradient of the sum is formed once, after the last
+micro-batch.
 """
 
 from collections.abc import Callable
@@ -37,7 +43,45 @@ class Sums(NamedTuple):
     model_state: Any
 
 
+class MeanSums(NamedTuple):
+    """What a 16-bit gradient function returns: `Sums`, but `grads` (in the 16-bit dtype)
+    is the gradient of `scale * sum(values * weights) / count`, a mean's magnitude, which
+    16 bits hold where a sum over many samples would overflow float16.
+
+    Attributes:
+        grads: 16-bit gradient of `scale * sum / count`.
+        total, weight, model_state: as in `Sums`.
+        count: the number of loss values the sum is over (float32; exact below 2**24).
+    """
+
+    grads: Any
+    total: Float[Array, ""]
+    weight: Float[Array, ""]
+    model_state: Any
+    count: Float[Array, ""]
+
+
 GradFn = Callable[[Any, Any, tuple, Array, PRNGKeyArray, Array], Sums]
+
+ACCUMULATE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_accumulate_dtype(dtype: Any) -> Any:
+    """`dtype` as a numpy dtype, if it is one of `ACCUMULATE_DTYPES`; else a clear error."""
+    try:
+        got = jnp.dtype(dtype)
+    except TypeError:
+        got = None
+    if got is None or got.name not in ACCUMULATE_DTYPES:
+        raise ValueError(
+            f"accumulate_dtype={dtype!r}; expected one of {ACCUMULATE_DTYPES} (e.g. "
+            "jnp.float16 with a loss scale to keep the micro-batch gradients in 16 bits)."
+        )
+    return got
+
+
+def _is_16(dtype: Any) -> bool:
+    return jnp.dtype(dtype).itemsize == 2
 
 
 def loss_grad(
@@ -46,11 +90,15 @@ def loss_grad(
     policy: Policy,
     *,
     prepare: Callable[[Any], Any] | None = None,
+    dtype: Any = jnp.float32,
 ) -> GradFn:
     """The gradient function of `loss_fn` for a model split as `eqx.combine(params, static)`.
 
     `prepare(model)`, when given, runs inside the differentiated function before the loss
     (FSDP all-gathers shards there, so their gradients come back reduce-scattered).
+
+    `dtype` 16-bit (`jnp.float16`, `jnp.bfloat16`): the function returns a `MeanSums`, its
+    gradient in `dtype` and not multiplied by `count` (for `accumulate(..., dtype=dtype)`).
 
     The returned `fn(params, model_state, batch, weights, key, scale)` differentiates
     `scale * sum / count` (`count` = the number of loss values, known from shapes): a
@@ -58,7 +106,7 @@ def loss_grad(
     for; it multiplies by `count` afterwards (in float32) to return the gradient of the sum.
     """
 
-    def fn(params, model_state, batch, weights, key, scale) -> Sums:
+    def fn(params, model_state, batch, weights, key, scale) -> Sums | MeanSums:
         def objective(params):
             model = eqx.combine(params, static)
             if prepare is not None:
@@ -71,10 +119,19 @@ def loss_grad(
             return total * (scale / count), (total, jnp.sum(out.weights), out.model_state, count)
 
         grads, (total, weight, new_state, count) = jax.grad(objective, has_aux=True)(params)
+        if _is_16(dtype):
+            grads = cast_floating(grads, dtype)
+            return MeanSums(grads, total, weight, new_state, jnp.float32(count))
         grads = jax.tree.map(lambda g: g * jnp.float32(count), cast_floating(grads, jnp.float32))
         return Sums(grads, total, weight, new_state)
 
     return fn
+
+
+def _to_sums(m: MeanSums) -> Sums:
+    """The float32 gradient of the sum, from a 16-bit one of `sum / count`."""
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32) * m.count, m.grads)
+    return Sums(grads, m.total, m.weight, m.model_state)
 
 
 def _add(a: Sums, b: Sums) -> Sums:
@@ -84,7 +141,7 @@ def _add(a: Sums, b: Sums) -> Sums:
     )  # fmt: skip
 
 
-def accumulate(grad_fn: GradFn, k: int) -> GradFn:
+def accumulate(grad_fn: GradFn, k: int, *, dtype: Any = jnp.float32) -> GradFn:
     """`grad_fn` over `k` micro-batches in a `lax.scan`: the same sums, 1/k of the activations.
 
     Micro-batch `i` is samples `[i * m, (i + 1) * m)` with `m = ceil(n / k)`; a remainder
@@ -92,11 +149,40 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
     stateful layers (BatchNorm) see exactly the real micro-batches. Each micro-batch gets the
     key `jr.fold_in(key, i)`. Memory: one micro-batch of activations and one float32
     accumulator. `k = 1` is `grad_fn` itself.
+
+    `dtype` 16-bit: `grad_fn` is `loss_grad(..., dtype=dtype)` (a `MeanSums` per
+    micro-batch); the accumulator holds, in `dtype`, the average of the micro-batches'
+    gradients weighted by their share of the samples (`m / n`: each micro-batch has the same
+    loss values per sample, so the share of the loss values), never larger than the largest
+    of them, so a float16 accumulator overflows only where a micro-batch's gradient would.
+    Each addition is computed in float32 and rounded once to `dtype`. Memory: the
+    micro-batch gradient and the accumulator in 2 bytes per parameter each (instead of 4);
+    one float32 gradient is formed after the last micro-batch, when the activations are
+    gone. Returns `Sums` (float32) as the float32 accumulator does.
     """
+    if _is_16(dtype):
+        return _accumulate_16(grad_fn, k, jnp.dtype(dtype))
     if k == 1:
         return grad_fn
 
-    def fn(params, model_state, batch, weights, key, scale) -> Sums:
+    def init(params, model_state) -> Sums:
+        # The gradient has the parameters' structure in float32: no trace needed for it.
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        return Sums(zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), model_state)
+
+    return _over_micro_batches(grad_fn, k, init, lambda acc, part, share: _add(acc, part))
+
+
+def _over_micro_batches(
+    part_fn: Callable[..., Any],
+    k: int,
+    init: Callable[[Any, Any], Any],
+    add: Callable[[Any, Any, float], Any],
+) -> Callable[..., Any]:
+    """`part_fn` over `k` micro-batches in a `lax.scan` (and a smaller last one outside it),
+    folded by `add(acc, part, share)`, `share` being the micro-batch's fraction of samples."""
+
+    def fn(params, model_state, batch, weights, key, scale):
         n = weights.shape[0]
         m = -(-n // k)
         full, rest = divmod(n, m)
@@ -105,20 +191,52 @@ def accumulate(grad_fn: GradFn, k: int) -> GradFn:
         split = jax.tree.map(lambda x: x[: full * m].reshape(full, m, *x.shape[1:]), batch)
         w_split = weights[: full * m].reshape(full, m)
 
-        def body(carry: Sums, xs):
+        def body(carry, xs):
             mb, mw, i = xs
-            sums = grad_fn(params, carry.model_state, mb, mw, jr.fold_in(key, i), scale)
-            return _add(carry, sums), None
+            part = part_fn(params, carry.model_state, mb, mw, jr.fold_in(key, i), scale)
+            return add(carry, part, m / n), None
 
-        # The gradient has the parameters' structure in float32: no trace needed for it.
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        init = Sums(zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), model_state)
-        sums, _ = jax.lax.scan(body, init, (split, w_split, jnp.arange(full)))
+        acc, _ = jax.lax.scan(body, init(params, model_state), (split, w_split, jnp.arange(full)))
         if rest:
             batch_rest, w_rest = jax.tree.map(lambda x: x[full * m :], (batch, weights))
-            last = grad_fn(params, sums.model_state, batch_rest, w_rest, jr.fold_in(key, full),
+            last = part_fn(params, acc.model_state, batch_rest, w_rest, jr.fold_in(key, full),
                            scale)  # fmt: skip
-            sums = _add(sums, last)
-        return sums
+            acc = add(acc, last, rest / n)
+        return acc
 
     return fn
+
+
+def _accumulate_16(grad_fn: GradFn, k: int, dtype: Any) -> GradFn:
+    """`accumulate` with a 16-bit accumulator (see there)."""
+
+    def micro(params, model_state, batch, weights, key, scale) -> MeanSums:
+        out = grad_fn(params, model_state, batch, weights, key, scale)
+        if not isinstance(out, MeanSums):
+            raise TypeError(
+                f"accumulate(..., dtype={dtype.name}) needs the gradient function "
+                f"loss_grad(..., dtype={dtype.name}), which returns MeanSums; got "
+                f"{type(out).__name__}."
+            )
+        return out
+
+    if k == 1:
+        return lambda *args: _to_sums(micro(*args))
+
+    def add(acc: MeanSums, part: MeanSums, share: float) -> MeanSums:
+        grads = jax.tree.map(
+            lambda a, g: (a.astype(jnp.float32) + g.astype(jnp.float32) * share).astype(dtype),
+            acc.grads, part.grads,
+        )  # fmt: skip
+        return MeanSums(
+            grads, acc.total + part.total, acc.weight + part.weight, part.model_state,
+            acc.count + part.count,
+        )  # fmt: skip
+
+    def init(params, model_state) -> MeanSums:
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, dtype), params)
+        zero = jnp.zeros((), jnp.float32)
+        return MeanSums(zeros, zero, zero, model_state, zero)
+
+    fn = _over_micro_batches(micro, k, init, add)
+    return lambda *args: _to_sums(fn(*args))
