@@ -1,5 +1,6 @@
 """Parameters and optimizer state sharded over devices (FSDP / ZeRO-3): memory, collectives,
-equality with one device, checkpoints. Each test runs a real subprocess with host devices."""
+equality with one device, checkpoints. The checks run in one real subprocess with 8 host
+devices (each on the first n of them), section by section; each test asserts its section."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 
 PRELUDE = textwrap.dedent(
     """
-    import json, re, sys
+    import json, re, sys, traceback
     import jax, jax.numpy as jnp, jax.random as jr, numpy as np, optax, equinox as eqx
     from jax.sharding import Mesh
     from jaxtyping import install_import_hook
@@ -37,51 +38,193 @@ PRELUDE = textwrap.dedent(
     """
 )
 
+# Each section sets `result`; one failing section does not stop the others.
+RUNNER = textwrap.dedent(
+    """
+    sections = json.loads(sys.argv[1])
+    results = {}
+    for name, body in sections.items():
+        scope = dict(globals())
+        try:
+            exec(body, scope)
+            results[name] = {"result": scope["result"]}
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    print(json.dumps(results))
+    """
+)
 
-def _run(body: str, devices: int) -> dict:
+DEVICES = 8  # the most any section uses
+
+MEMORY = """
+enc = el.nn.transformer_encoder(4, 64, 4, 128, key=jr.PRNGKey(0), remat=True)
+def loss(model, x):
+    return jnp.mean(jax.vmap(model)(x) ** 2, axis=(1, 2))
+batch = (jax.ShapeDtypeStruct((16, 16, 64), jnp.float32),)
+result = {}
+for n in (2, 4, 8):
+    for shard in ("data", "fsdp"):
+        step = el.train.make_step(loss, optax.adam(1e-3), mesh=mesh(n), shard=shard)
+        state = eqx.filter_eval_shape(step.init, enc, key=jr.PRNGKey(1))
+        compiled = step.lower(state, batch).compile()
+        m = compiled.memory_analysis()
+        hlo = compiled.as_text()
+        reduces = re.findall(r"= (.*?) all-reduce\\(", hlo)
+        result[f"{n}/{shard}"] = {
+            "arguments": m.argument_size_in_bytes,
+            "temp": m.temp_size_in_bytes,
+            "all_reduce_shapes": reduces,
+            "reduce_scatters": hlo.count("reduce-scatter("),
+            "all_gathers": hlo.count("all-gather("),
+        }
+"""
+
+
+def _equal(precision: str) -> str:
+    return f"""
+opt = optax.sgd(0.1, momentum=0.9)
+def train(step):
+    state = step.init(lm(), key=jr.PRNGKey(2))
+    for i in range(5):
+        state, metrics = step(state, (tokens(seed=i),))
+    return params(state), float(metrics["loss"])
+one, loss_one = train(el.train.make_step(el.train.next_token_loss, opt, accumulate=4,
+                                         precision="{precision}"))
+four, loss_four = train(el.train.make_step(el.train.next_token_loss, opt, accumulate=4,
+                                           precision="{precision}", mesh=mesh(4),
+                                           shard="fsdp"))
+diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one, four))
+scale = max(float(np.max(np.abs(a))) for a in one)
+moved = max(float(np.max(np.abs(a - b))) for a, b in
+            zip(one, params(el.train.make_step(el.train.next_token_loss, opt)
+                            .init(lm(), key=jr.PRNGKey(2)))))
+result = {{"diff": diff, "scale": scale, "moved": moved, "loss": [loss_one, loss_four]}}
+"""
+
+
+def _checkpoint(directory: str) -> str:
+    return f"""
+opt = optax.sgd(0.1, momentum=0.9)
+def make(n):
+    return el.train.make_step(el.train.next_token_loss, opt, accumulate=2,
+                              mesh=mesh(n), shard="fsdp")
+step = make(4)
+state = step.init(lm(), key=jr.PRNGKey(2))
+for i in range(5):
+    state, _ = step(state, (tokens(seed=i),))
+straight = params(state)
+
+state = step.init(lm(), key=jr.PRNGKey(2))
+for i in range(2):
+    state, _ = step(state, (tokens(seed=i),))
+path = {directory + "/fsdp.ckpt"!r}
+el.train.save_checkpoint(path, state, {{}})
+shardings = [str(x.sharding.spec) for x in jax.tree.leaves(state) if eqx.is_array(x)]
+del state
+resumed, _ = el.train.load_checkpoint(path, step.init(lm(), key=jr.PRNGKey(9)))
+same_place = shardings == [str(x.sharding.spec) for x in jax.tree.leaves(resumed)
+                           if eqx.is_array(x)]
+for i in range(2, 5):
+    resumed, _ = step(resumed, (tokens(seed=i),))
+exact = all(np.array_equal(a, b) for a, b in zip(straight, params(resumed)))
+
+step2 = make(2)  # a different device count: re-sharded on load
+other, _ = el.train.load_checkpoint(path, step2.init(lm(), key=jr.PRNGKey(9)))
+for i in range(2, 5):
+    other, _ = step2(other, (tokens(seed=i),))
+diff = max(float(np.max(np.abs(a - b))) for a, b in zip(straight, params(other)))
+result = {{"exact": exact, "same_place": same_place, "reshard_diff": diff}}
+"""
+
+
+BAD_INPUT = """
+errors = {}
+def catch(name, fn):
+    try:
+        fn()
+        errors[name] = None
+    except Exception as e:
+        errors[name] = f"{type(e).__name__}: {e}"
+catch("axis", lambda: el.train.make_step(el.train.mse, optax.sgd(0.1),
+                                         mesh=mesh(2), data_axis="batch"))
+catch("shard", lambda: el.train.make_step(el.train.mse, optax.sgd(0.1),
+                                          mesh=mesh(2), shard="zero"))
+def stateful():
+    model, mstate = eqx.nn.make_with_state(BN)(key=jr.PRNGKey(0))
+    step = el.train.make_step(bn_loss, optax.sgd(0.1), has_state=True, mesh=mesh(2))
+    state = step.init(model, key=jr.PRNGKey(0), model_state=mstate)
+    step(state, (jnp.ones((5, 3)),))
+
+class BN(eqx.Module):
+    lin: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    def __init__(self, key):
+        self.lin = eqx.nn.Linear(3, 2, key=key)
+        self.bn = eqx.nn.BatchNorm(2, "batch")
+    def __call__(self, x, state):
+        return self.bn(self.lin(x), state)
+
+def bn_loss(model, mstate, x):
+    out, mstate = jax.vmap(model, axis_name="batch", in_axes=(0, None),
+                           out_axes=(0, None))(x, mstate)
+    return jnp.sum(out ** 2, axis=-1), mstate
+
+catch("stateful_odd_batch", stateful)
+result = errors
+"""
+
+TRAINER = """
+def fit(**kwargs):
+    trainer = el.train.Trainer(lm(), el.train.next_token_loss,
+                               optax.sgd(0.1, momentum=0.9), accumulate=2,
+                               progress=False, **kwargs)
+    history = trainer.fit(np.asarray(tokens(32)), epochs=2, micro_batch=4,
+                          key=jr.PRNGKey(3))
+    return params(trainer.state), history["train_loss"]
+one, loss_one = fit()
+two, loss_two = fit(mesh=mesh(2), shard="fsdp")
+diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one, two))
+result = {"diff": diff, "loss": [loss_one, loss_two]}
+"""
+
+
+@pytest.fixture(scope="module")
+def sections(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("fsdp"))
+    bodies = {
+        "memory": MEMORY,
+        "equal/float32": _equal("float32"),
+        "equal/mixed_bf16": _equal("mixed_bf16"),
+        "checkpoint": _checkpoint(directory),
+        "bad_input": BAD_INPUT,
+        "trainer": TRAINER,
+    }
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
     ).strip()
     out = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(body)],
+        [sys.executable, "-c", PRELUDE + RUNNER, json.dumps(bodies)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
         env=env,
     )
     if out.returncode != 0:
         raise AssertionError(out.stderr[-4000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert list(results) == list(bodies)
+    return results
 
 
-def test_fsdp_divides_argument_bytes_and_reduce_scatters_gradients():
-    result = _run(
-        """
-        enc = el.nn.transformer_encoder(4, 64, 4, 128, key=jr.PRNGKey(0), remat=True)
-        def loss(model, x):
-            return jnp.mean(jax.vmap(model)(x) ** 2, axis=(1, 2))
-        batch = (jax.ShapeDtypeStruct((16, 16, 64), jnp.float32),)
-        out = {}
-        for n in (2, 4, 8):
-            for shard in ("data", "fsdp"):
-                step = el.train.make_step(loss, optax.adam(1e-3), mesh=mesh(n), shard=shard)
-                state = eqx.filter_eval_shape(step.init, enc, key=jr.PRNGKey(1))
-                compiled = step.lower(state, batch).compile()
-                m = compiled.memory_analysis()
-                hlo = compiled.as_text()
-                reduces = re.findall(r"= (.*?) all-reduce\\(", hlo)
-                out[f"{n}/{shard}"] = {
-                    "arguments": m.argument_size_in_bytes,
-                    "temp": m.temp_size_in_bytes,
-                    "all_reduce_shapes": reduces,
-                    "reduce_scatters": hlo.count("reduce-scatter("),
-                    "all_gathers": hlo.count("all-gather("),
-                }
-        print(json.dumps(out))
-        """,
-        devices=8,
-    )
+def _result(sections: dict, name: str):
+    if "error" in sections[name]:
+        raise AssertionError(sections[name]["error"][-4000:])
+    return sections[name]["result"]
+
+
+def test_fsdp_divides_argument_bytes_and_reduce_scatters_gradients(sections):
+    result = _result(sections, "memory")
     for n in (2, 4, 8):
         data, fsdp = result[f"{n}/data"], result[f"{n}/fsdp"]
         assert fsdp["arguments"] <= 1.05 * data["arguments"] / n, (n, fsdp, data)
@@ -95,135 +238,27 @@ def test_fsdp_divides_argument_bytes_and_reduce_scatters_gradients():
 
 
 @pytest.mark.parametrize("precision, tol", [("float32", 1e-5), ("mixed_bf16", 1e-3)])
-def test_fsdp_on_four_devices_equals_one_device(precision, tol):
-    result = _run(
-        f"""
-        opt = optax.sgd(0.1, momentum=0.9)
-        def train(step):
-            state = step.init(lm(), key=jr.PRNGKey(2))
-            for i in range(5):
-                state, metrics = step(state, (tokens(seed=i),))
-            return params(state), float(metrics["loss"])
-        one, loss_one = train(el.train.make_step(el.train.next_token_loss, opt, accumulate=4,
-                                                 precision="{precision}"))
-        four, loss_four = train(el.train.make_step(el.train.next_token_loss, opt, accumulate=4,
-                                                   precision="{precision}", mesh=mesh(4),
-                                                   shard="fsdp"))
-        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one, four))
-        scale = max(float(np.max(np.abs(a))) for a in one)
-        moved = max(float(np.max(np.abs(a - b))) for a, b in
-                    zip(one, params(el.train.make_step(el.train.next_token_loss, opt)
-                                    .init(lm(), key=jr.PRNGKey(2)))))
-        print(json.dumps({{"diff": diff, "scale": scale, "moved": moved,
-                           "loss": [loss_one, loss_four]}}))
-        """,
-        devices=4,
-    )
+def test_fsdp_on_four_devices_equals_one_device(sections, precision, tol):
+    result = _result(sections, f"equal/{precision}")
     assert result["moved"] > 1e-3  # the five updates really trained
     assert result["diff"] <= tol * max(1.0, result["scale"]), result
 
 
-def test_fsdp_checkpoint_resumes_bit_identically_and_reshards(tmp_path):
-    result = _run(
-        f"""
-        opt = optax.sgd(0.1, momentum=0.9)
-        def make(n):
-            return el.train.make_step(el.train.next_token_loss, opt, accumulate=2,
-                                      mesh=mesh(n), shard="fsdp")
-        step = make(4)
-        state = step.init(lm(), key=jr.PRNGKey(2))
-        for i in range(5):
-            state, _ = step(state, (tokens(seed=i),))
-        straight = params(state)
-
-        state = step.init(lm(), key=jr.PRNGKey(2))
-        for i in range(2):
-            state, _ = step(state, (tokens(seed=i),))
-        path = "{tmp_path}/fsdp.ckpt"
-        el.train.save_checkpoint(path, state, {{}})
-        shardings = [str(x.sharding.spec) for x in jax.tree.leaves(state) if eqx.is_array(x)]
-        del state
-        resumed, _ = el.train.load_checkpoint(path, step.init(lm(), key=jr.PRNGKey(9)))
-        same_place = shardings == [str(x.sharding.spec) for x in jax.tree.leaves(resumed)
-                                   if eqx.is_array(x)]
-        for i in range(2, 5):
-            resumed, _ = step(resumed, (tokens(seed=i),))
-        exact = all(np.array_equal(a, b) for a, b in zip(straight, params(resumed)))
-
-        step2 = make(2)  # a different device count: re-sharded on load
-        other, _ = el.train.load_checkpoint(path, step2.init(lm(), key=jr.PRNGKey(9)))
-        for i in range(2, 5):
-            other, _ = step2(other, (tokens(seed=i),))
-        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(straight, params(other)))
-        print(json.dumps({{"exact": exact, "same_place": same_place, "reshard_diff": diff}}))
-        """,
-        devices=4,
-    )
+def test_fsdp_checkpoint_resumes_bit_identically_and_reshards(sections):
+    result = _result(sections, "checkpoint")
     assert result["same_place"]
     assert result["exact"]
     assert result["reshard_diff"] <= 1e-4
 
 
-def test_fsdp_bad_input():
-    result = _run(
-        """
-        errors = {}
-        def catch(name, fn):
-            try:
-                fn()
-                errors[name] = None
-            except Exception as e:
-                errors[name] = f"{type(e).__name__}: {e}"
-        catch("axis", lambda: el.train.make_step(el.train.mse, optax.sgd(0.1),
-                                                 mesh=mesh(2), data_axis="batch"))
-        catch("shard", lambda: el.train.make_step(el.train.mse, optax.sgd(0.1),
-                                                  mesh=mesh(2), shard="zero"))
-        def stateful():
-            model, mstate = eqx.nn.make_with_state(BN)(key=jr.PRNGKey(0))
-            step = el.train.make_step(bn_loss, optax.sgd(0.1), has_state=True, mesh=mesh(2))
-            state = step.init(model, key=jr.PRNGKey(0), model_state=mstate)
-            step(state, (jnp.ones((5, 3)),))
-
-        class BN(eqx.Module):
-            lin: eqx.nn.Linear
-            bn: eqx.nn.BatchNorm
-            def __init__(self, key):
-                self.lin = eqx.nn.Linear(3, 2, key=key)
-                self.bn = eqx.nn.BatchNorm(2, "batch")
-            def __call__(self, x, state):
-                return self.bn(self.lin(x), state)
-
-        def bn_loss(model, mstate, x):
-            out, mstate = jax.vmap(model, axis_name="batch", in_axes=(0, None),
-                                   out_axes=(0, None))(x, mstate)
-            return jnp.sum(out ** 2, axis=-1), mstate
-
-        catch("stateful_odd_batch", stateful)
-        print(json.dumps(errors))
-        """,
-        devices=2,
-    )
+def test_fsdp_bad_input(sections):
+    result = _result(sections, "bad_input")
     assert "data_axis='batch'" in result["axis"] and "('data',)" in result["axis"]
     assert "shard='zero'" in result["shard"] and "fsdp" in result["shard"]
     assert "multiple of 2" in result["stateful_odd_batch"]
 
 
-def test_trainer_with_fsdp_equals_the_trainer_on_one_device():
-    result = _run(
-        """
-        def fit(**kwargs):
-            trainer = el.train.Trainer(lm(), el.train.next_token_loss,
-                                       optax.sgd(0.1, momentum=0.9), accumulate=2,
-                                       progress=False, **kwargs)
-            history = trainer.fit(np.asarray(tokens(32)), epochs=2, micro_batch=4,
-                                  key=jr.PRNGKey(3))
-            return params(trainer.state), history["train_loss"]
-        one, loss_one = fit()
-        two, loss_two = fit(mesh=mesh(2), shard="fsdp")
-        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one, two))
-        print(json.dumps({"diff": diff, "loss": [loss_one, loss_two]}))
-        """,
-        devices=2,
-    )
+def test_trainer_with_fsdp_equals_the_trainer_on_one_device(sections):
+    result = _result(sections, "trainer")
     assert result["diff"] <= 1e-5, result
     assert result["loss"][0][1] < result["loss"][0][0]
