@@ -133,8 +133,8 @@ def wrn_loss(model, state, x, y):
 
 PRECISION_WORDS = {
     "float32": "float32",
-    "half_fp16": "float16 parameters, compute and activations (BatchNorm and losses in "
-    "float32), momentum/Adam state in bfloat16, dynamic loss scale",
+    "half_fp16": "float16 parameters, compute and activations (normalisation layers and "
+    "losses in float32), momentum/Adam state in bfloat16, dynamic loss scale",
 }
 
 
