@@ -1,6 +1,9 @@
 """Memory of sparse training, from compilation alone (nothing runs): parameters plus Adam
 state, and the compiled step's peak, against the dense model."""
 
+import dataclasses
+from typing import Any, NamedTuple
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -67,3 +70,81 @@ def test_encoder_parameters_and_adam_at_30_percent():
 def test_bad_density(density):
     with pytest.raises(ValueError, match="density="):
         _shapes(_mlp, density)
+
+
+_BATCH = (
+    jax.ShapeDtypeStruct((128, 1024), jnp.float32),
+    jax.ShapeDtypeStruct((128,), jnp.int32),
+)
+
+
+class _Info(NamedTuple):  # what the rewiring hooks read of eqx_lowmem.train's UpdateInfo
+    grads: Any
+    key: Any
+    grad_fn: Any
+    finite: Any
+
+
+def _peak_with_hook_after_the_update(model, hook):
+    """The compiled peak of a minimal step (Adam, its finiteness `lax.cond`) that calls
+    `hook` after that cond, as a step does whose hooks see `info.finite`."""
+    opt = optax.adam(1e-3)
+    state = el.train.TrainState(
+        step=jnp.zeros((), jnp.int32),
+        model=model,
+        opt_state=opt.init(eqx.filter(model, eqx.is_inexact_array)),
+        key=jr.PRNGKey(0),
+    )
+    arrays, static = eqx.partition(state, eqx.is_array)
+    arrays = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
+
+    def step(arrays, x, y):
+        state = eqx.combine(arrays, static)
+        params, rest = eqx.partition(state.model, eqx.is_inexact_array)
+
+        def loss(p):
+            return jnp.mean(el.train.cross_entropy(eqx.combine(p, rest), x, y))
+
+        grads = jax.grad(loss)(params)
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+
+        def update():
+            with jax.numpy_dtype_promotion("standard"):  # optax's bias correction
+                updates, opt_state = opt.update(grads, state.opt_state, params)
+            model = eqx.combine(optax.apply_updates(params, updates), rest)
+            new = dataclasses.replace(state, step=state.step + 1, model=model, opt_state=opt_state)
+            return eqx.filter(new, eqx.is_array)
+
+        new = eqx.combine(jax.lax.cond(finite, update, lambda: arrays), static)
+        if hook is not None:
+            new = hook(new, _Info(grads, jr.fold_in(state.key, 1), None, finite))
+        return eqx.filter(new, eqx.is_array)
+
+    m = jax.jit(step, donate_argnums=0).lower(arrays, *_BATCH).compile().memory_analysis()
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    return peak - m.alias_size_in_bytes
+
+
+def test_dsr_adds_at_most_half_a_percent_to_the_step_peak_when_run_after_the_update():
+    # Compile only, at the benchmark's shapes. DSR's survey and rewiring run one layer at
+    # a time in loops that carry only indices and a mask; its zeroing is in place.
+    dense = _mlp()
+    sparse = sp.sparsify(dense, 0.3, key=jr.PRNGKey(1), slack=0.1)
+    dense_peak = _peak_with_hook_after_the_update(dense, None)
+    plain = _peak_with_hook_after_the_update(sparse, None)
+    rewired = _peak_with_hook_after_the_update(sparse, sp.dsr(period=100))
+    # make_step's hook-free sparse step is 0.58x dense (test above): DSR must add ~nothing
+    assert rewired - plain <= 0.005 * dense_peak, (rewired - plain) / 2**20
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="make_step calls after_update inside its if_finite lax.cond, where XLA copies "
+    "the optimizer's outputs that the rewiring reads (0.85x dense); calling the hook after "
+    "that cond, with info.finite, gives the 0.6x of the test above",
+)
+def test_dsr_step_peak_at_30_percent_is_at_most_0_6x_dense():
+    dense_state, dense_peak = _step_memory(_shapes(_mlp), _BATCH, el.train.cross_entropy)
+    sparse = _shapes(_mlp, 0.3)
+    _, peak = _step_memory(sparse, _BATCH, el.train.cross_entropy, hook=sp.dsr(period=100))
+    assert peak <= 0.6 * dense_peak, peak / dense_peak

@@ -189,6 +189,15 @@ class _Slots:
         return dataclasses.replace(state, model=model, opt_state=opt_state)
 
 
+def _none_like(indices: Array, late: Array) -> Array:
+    """An all-False mask shaped like `indices`, computed once `late` (an array of this
+    step's update) exists: a constant, or one computed from the indices alone, would be
+    materialised at the start of the step and held through the backward pass.
+    (`0 * late` is 0 or NaN, and no index is below either.)"""
+    first = late.reshape(-1)[0].astype(jnp.float32)
+    return indices.astype(jnp.float32) < 0 * first
+
+
 def _when(do: Array, fn: Callable, carry: Any, extra: Any) -> Any:
     """`fn(*carry, *extra)` if `do`, else `carry`: a while loop of zero or one trip, which
     updates `carry` in place and whose body's temporaries exist only while it runs (a
@@ -226,7 +235,8 @@ def _rewire(
             del reset
             return _per_layer(lambda *a: one(x, *a), indices, *extra)
 
-        carry = (_flat2(x.indices, n), jnp.zeros((n, x.capacity), bool))
+        indices = _flat2(x.indices, n)
+        carry = (indices, _none_like(indices, x.values))
         extra = (plans[j], jr.split(k, n), *([_flat2(x.values, n)] if values else []))
         indices, reset = _when(do, rewired, carry, extra)
         # Unconditional and in place (a cond or loop carrying these would copy them all).
@@ -237,6 +247,14 @@ def _rewire(
             fields["threshold_exp"] = jnp.broadcast_to(exp, x.threshold_exp.shape)
         layers[j] = dataclasses.replace(slots.layers[j], **fields)
     return slots.state(state)
+
+
+def _if_updated(do: Array, info: Any) -> Array:
+    """`do`, and only after an update that happened, for a step that calls its hook after
+    its finiteness check and says so in `info.finite` (a step that calls it inside the
+    check's branch, as `eqx_lowmem.train.make_step` does, has no such field)."""
+    finite = getattr(info, "finite", None)
+    return do if finite is None else do & finite
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -323,7 +341,7 @@ def _dsr_plan(layers: list, do: Array, *, threshold: float, fraction: float, tol
             return jnp.sum(live.astype(jnp.int32), axis=-1) - pruned, pruned, prune
 
         zeros = jnp.zeros((n,), jnp.int32)
-        init = (zeros, zeros, jnp.zeros((n, x.capacity), bool))
+        init = (zeros, zeros, _none_like(_flat2(x.indices, n), x.values))
         kept, pruned, prune = _when(
             do, count, init, (_flat2(x.indices, n), _flat2(x.values, n), chain)
         )
@@ -436,7 +454,7 @@ def dsr(
     def hook(state: Any, info: Any) -> Any:
         _sparse_of(state.model)  # a clear error for a dense model, before tracing more
         p = _dsr_period(state.step, period, total_steps)
-        do = (p > 0) & (state.step % jnp.maximum(p, 1) == 0)
+        do = _if_updated((p > 0) & (state.step % jnp.maximum(p, 1) == 0), info)
 
         plan = functools.partial(
             _dsr_plan, threshold=threshold, fraction=fraction, tolerance=tolerance
@@ -500,7 +518,7 @@ def _swap_hook(
     def hook(state: Any, info: Any) -> Any:
         _sparse_of(state.model)  # a clear error for a dense model, before tracing more
         f, on = _drop_fraction(state.step, fraction, decay, stop)
-        do = on & (state.step % period == 0)
+        do = _if_updated(on & (state.step % period == 0), info)
 
         def plan(layers, do):
             if not gradient:  # SET: every layer decides alone
