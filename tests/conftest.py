@@ -28,3 +28,42 @@ def getkey():
         return sub
 
     return _getkey
+
+
+# Scheduling over the workers (pyproject: `--dist loadgroup --no-loadscope-reorder`): a
+# test file is one unit, run by one worker (its module fixtures compile once), except the
+# files in SPLIT, whose tests are independent and each heavy: there each test is a unit.
+# Units start slowest first (measured on 2 cores) and the short ones fill in at the end;
+# by default xdist would start the files with the most tests first, leaving a heavy file
+# of few tests for last while the other worker idles.
+SLOWEST_FIRST = (
+    "test_examples.py::test_the_readmes_short_example_runs_at_its_size_and_resumes",
+    "test_wrn.py",
+    "test_fsdp.py",
+    "test_gpu_script.py",
+    "test_sparse_rewire.py",
+    "test_examples.py::test_char_lm_trains_and_a_second_run_resumes",
+    "test_multihost.py",
+    "test_subprocess.py",
+    "test_interrupt.py",
+    "test_attention.py",
+    "test_precision.py",
+    "test_doctests.py",
+    "test_memory_plan.py",
+)
+SPLIT = ("test_examples.py",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+
+    def order(item):
+        name = item.path.name
+        return rank.get(f"{name}::{item.originalname}", rank.get(name, len(rank)))
+
+    items.sort(key=order)  # stable: the rest keep their order
+    if getattr(config.option, "dist", "no") == "loadgroup":
+        for item in items:
+            if item.path.name not in SPLIT:
+                item.add_marker(pytest.mark.xdist_group(item.path.name))
