@@ -7,7 +7,7 @@ count) is empty: it is dropped when the dense weight is rebuilt, so its value ge
 gradient and, with a zero optimizer state, stays zero. Shapes never change, so rewiring under
 `jax.jit` never recompiles.
 
-The forward pass rebuilds the dense weight (`zeros.at[indices].set(values, mode="drop")`)
+The forward pass rebuilds the dense weight (a scatter of the values into zeros, empty slots dropped)
 inside a `jax.checkpoint` region together with the matmul or convolution that uses it: the
 backward pass keeps only the values, indices and input, rebuilds the dense weight once more,
 and gathers the dense weight gradient at the indices. The dense weight and its dense gradient
@@ -60,6 +60,19 @@ def index_dtype(size: int) -> Any:
     )
 
 
+# One flat position per slot. `lax.scatter` / `lax.gather` directly: `.at[]` would first
+# normalise negative indices (a select over every slot, which ours never need) and cast
+# to int32; measured on CPU at 1M weights and 346k slots, scatter 1.5 -> 1.1 ms, gather
+# 1.4 -> 0.7 ms.
+_SCATTER = jax.lax.ScatterDimensionNumbers(
+    update_window_dims=(), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
+)
+_GATHER = jax.lax.GatherDimensionNumbers(
+    offset_dims=(), collapsed_slice_dims=(0,), start_index_map=(0,)
+)
+_DROP = jax.lax.GatherScatterMode.FILL_OR_DROP
+
+
 def _scatter(
     values: Array, indices: Array, shape: tuple[int, ...], base: Array | None = None
 ) -> Array:
@@ -67,8 +80,13 @@ def _scatter(
     flat `indices` (empty slots, at index `size`, dropped)."""
     size = math.prod(shape)
     flat = jnp.zeros((size,), values.dtype) if base is None else base
-    flat = flat.at[indices.astype(jnp.int32)].set(values, mode="drop")
+    flat = jax.lax.scatter(flat, indices[:, None], values, _SCATTER, mode=_DROP)
     return flat.reshape(shape)
+
+
+def _gather(flat: Array, indices: Array) -> Array:
+    """`flat` at each slot's position; 0 for an empty slot (index `size`)."""
+    return jax.lax.gather(flat, indices[:, None], _GATHER, (1,), mode=_DROP, fill_value=0)
 
 
 def _dense_of(values: Array, indices: Array, shape: tuple[int, ...]) -> Array:
@@ -147,8 +165,7 @@ def _batch_vjp(op: tuple, shape: tuple[int, ...]) -> Callable:
         x_late = _after(x, grad_x)
         _, vjp_w = jax.vjp(lambda w: _batched_op(op, w, x_late), jnp.zeros(shape, values.dtype))
         (grad_weight,) = vjp_w(grad)
-        flat = grad_weight.reshape(-1)
-        grad_values = flat.at[indices.astype(jnp.int32)].get(mode="fill", fill_value=0)
+        grad_values = _gather(grad_weight.reshape(-1), indices)
         return grad_values.astype(values.dtype), None, grad_x
 
     f.defvjp(fwd, bwd)
