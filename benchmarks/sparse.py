@@ -5,7 +5,8 @@ quality on Fashion-MNIST.
    dense; masked dense (jaxpruner's way: the dense weight times a uint8 mask, dense Adam
    state); ours (`eqx_lowmem.sparse`, 10% slack), without and with DSR rewiring in the step;
    `jax.experimental.sparse` BCOO weights. Bytes of parameters + optimizer state, the
-   compiled step's peak (argument + output + temp - alias, compile only), median step time.
+   compiled step's peak (argument + output + temp - alias, compile only), median step time
+   (the variants timed in turn, round after round, so a shared machine's load falls on all).
 2. Quality: an MLP 784-300-100-10 on Fashion-MNIST, dense vs 30% density with DSR, same
    epochs, seeds, batches and optimizer; test accuracy after every epoch, and a plot.
 
@@ -14,6 +15,8 @@ Run: `.venv/bin/python benchmarks/sparse.py [--epochs 10]`. Writes
 """
 
 import argparse
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -100,8 +103,7 @@ def storage(repeats: int) -> list[dict]:
         ("ours + DSR every 100 steps", ours, sp.dsr(period=100)),
         ("BCOO", _convert(dense, "bcoo", jr.PRNGKey(1)), None),
     ]
-    rows = []
-    reference = None
+    compiled = []
     for name, model, hook in variants:
         step = el.train.make_step(el.train.cross_entropy, optax.adam(1e-3), after_update=hook)
         state = step.init(model, key=jr.PRNGKey(4))
@@ -115,14 +117,31 @@ def storage(repeats: int) -> list[dict]:
             holder["state"], metrics = step(holder["state"], (x, y))
             jax.block_until_ready(metrics["loss"])
 
-        n = 2 if name == "BCOO" else repeats
-        seconds = time_median(run, repeats=n, burn_in=1)
+        run()  # burn in (compiles the call path)
+        compiled.append((name, run, memory, stored, loss))
+    # Time side by side: round robin over the variants (BCOO, 100x slower, after), so that
+    # the load of a shared machine weighs on every variant alike; medians per variant.
+    times: dict[str, list[float]] = {name: [] for name, *_ in compiled}
+    fast = [c for c in compiled if c[0] != "BCOO"]
+    for _ in range(repeats):
+        for name, run, *_ in fast:
+            t0 = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t0)
+    for name, run, *_ in compiled:
+        if name == "BCOO":
+            times[name] = [time_median(run, repeats=2, burn_in=0)]
+    rows = []
+    reference = None
+    for name, _, memory, stored, loss in compiled:
+        seconds = statistics.median(times[name])
         row = {
             "variant": name,
             "params_opt_bytes": stored,
             "step_peak_bytes": memory["peak"] if memory else None,
             "step_temp_bytes": memory["temp"] if memory else None,
             "step_ms": 1000 * seconds,
+            "step_ms_all": [1000 * t for t in times[name]],
             "first_loss": loss,
         }
         if reference is None:
@@ -222,10 +241,26 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=20, help="timed rounds (round robin)")
     parser.add_argument("--skip-quality", action="store_true")
     args = parser.parse_args()
-    payload = {"storage": storage(args.repeats)}
+    load_before = os.getloadavg()
+    rows = storage(args.repeats)
+    by = {r["variant"]: r for r in rows}
+    payload = {
+        "storage": rows,
+        "load_average": {"before": load_before, "after_storage": os.getloadavg()},
+        # issue 11: at most 1.3x the dense step's time on CPU, and a step peak at most 0.6x
+        "goals": {
+            f"{name}: {what}": bool(by[name][key] <= bound)
+            for name in ("ours", "ours + DSR every 100 steps")
+            for what, key, bound in (
+                ("time <= 1.3x dense", "time_vs_dense", 1.3),
+                ("peak <= 0.6x dense", "peak_vs_dense", 0.6),
+            )
+        },
+    }
+    print(payload["goals"])
     if not args.skip_quality:
         payload["quality"] = quality(args.epochs)
         plot(payload["quality"], RESULTS / "sparse.png")
