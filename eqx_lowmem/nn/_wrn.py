@@ -28,9 +28,12 @@ BlockState: TypeAlias = dict[str, BatchStats]
 
 def _conv(c_in: int, c_out: int, size: int, stride: int, key: PRNGKeyArray) -> eqx.nn.Conv2d:
     """A bias-free convolution with He-normal weights over fan-out, as the authors' code."""
-    conv = eqx.nn.Conv2d(
-        c_in, c_out, size, stride=stride, padding=size // 2, use_bias=False, key=key
-    )
+    # Shapes only: Equinox's own (uniform) initialisation would be drawn, compiled per
+    # shape, and thrown away.
+    conv = eqx.filter_eval_shape(
+        eqx.nn.Conv2d, c_in, c_out, size, stride=stride, padding=size // 2, use_bias=False,
+        key=key,
+    )  # fmt: skip
     std = math.sqrt(2.0 / (size * size * c_out))
     weight = std * jr.normal(key, conv.weight.shape, jnp.float32)
     return eqx.tree_at(lambda c: c.weight, conv, weight)
