@@ -28,7 +28,8 @@ BODY = textwrap.dedent(
         hook = sp.dsr(period=2, fraction=0.05, threshold=0.05)
         step = el.train.make_step(el.train.mse, optax.adam(1e-2), after_update=hook, **kw)
         state = step.init(model, key=jr.PRNGKey(4))
-        specs = [str(getattr(l.indices.sharding, "spec", "")) for _, l in sp.sparse_layers(state.model)]
+        specs = [str(getattr(l.indices.sharding, "spec", ""))
+                 for _, l in sp.sparse_layers(state.model)]
         for _ in range(7):
             state, metrics = step(state, (x, y))
         leaves = jax.tree.leaves(eqx.filter((state.model, state.opt_state), eqx.is_array))
