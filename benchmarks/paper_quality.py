@@ -1,0 +1,363 @@
+"""Sohoni et al. (2019)'s accuracy comparison, small enough for two CPU cores: a WideResNet
+on Fashion-MNIST trained in FP32 dense against the paper's whole low-memory combination.
+
+The combination: 16-bit compute with a dynamic loss scale (`mixed_fp16`), every residual
+block recomputed ("checkpoint-residual-1"), micro-batches of 10 at batch 100 (BatchNorm
+statistics per micro-batch) and 30% of the 3x3 convolutions' weights, rewired by DSR. Both
+configurations see the same images in the same order from the same initial weights (per
+seed) for the same number of epochs; test accuracy after every epoch goes in the JSON and
+the plot. The data: the Debian package `dataset-fashion-mnist`.
+
+Every update is timed, the first call (compilation) apart. `--timing-only` times a few
+updates of each configuration and of the combination in bf16 side by side (FP16 is the
+paper's; bf16 would replace it only if XLA:CPU ran FP16 impractically slowly) and writes
+`paper_quality_timing.json`.
+
+    python benchmarks/paper_quality.py                  # the full run (below)
+    python benchmarks/paper_quality.py --timing-only    # step times only
+    python benchmarks/paper_quality.py --ablation       # each technique alone, seed 0
+    python benchmarks/paper_quality.py --quick          # a smoke test
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import RESULTS, write_json  # noqa: E402
+
+_START = time.perf_counter()
+
+# Sized from step times measured on the 2 shared cores (load 5-8, 2026-12-01), WRN-10-1,
+# batch 100: FP32 dense 0.62 s per update, the combination 5.4 s (micro-batches of 10 in a
+# lax.scan, which XLA:CPU runs about 8x slower than the same convolutions unrolled), first
+# calls (compilation) 22 s and 79 s. 2 seeds x 90 updates each: about 21 minutes there.
+# The run itself (load 10-17 by then): 2,636 s of wall time, 718 s of its own CPU time.
+QUALITY = {
+    "depth": 10,
+    "width": 1,
+    "train": 3_000,
+    "test": 10_000,  # the whole test set
+    "epochs": 3,
+    "seeds": [0, 1],
+    "batch": 100,
+    "lr": 0.05,
+}
+QUALITY_QUICK = {
+    "depth": 10,
+    "width": 1,
+    "train": 400,
+    "test": 200,
+    "epochs": 1,
+    "seeds": [0],
+    "batch": 100,
+    "lr": 0.05,
+}
+QUALITY_CONFIGS = {
+    "baseline_fp32": {"precision": "float32", "remat": False, "accumulate": 1, "density": None},
+    "combined": {
+        "precision": "mixed_fp16",
+        "remat": "checkpoint-residual-1",
+        "accumulate": 10,
+        "density": 0.3,
+    },
+}
+
+# Each technique of the combination alone (`--ablation`, seed 0): which one costs accuracy.
+ABLATIONS = {
+    "fp16": {**QUALITY_CONFIGS["baseline_fp32"], "precision": "mixed_fp16"},
+    "sparse30": {**QUALITY_CONFIGS["baseline_fp32"], "density": 0.3},
+    "micro10": {**QUALITY_CONFIGS["baseline_fp32"], "accumulate": 10},
+}
+
+
+def _opts(name: str) -> dict:
+    return {**QUALITY_CONFIGS, **ABLATIONS}[name]
+
+
+def wrn_loss(model, state, x, y):
+    """Per-image cross-entropy of a WideResNet, threading its BatchNorm state."""
+    import jax.numpy as jnp
+    import optax
+
+    logits, state = model.batched(x, state)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y), state
+
+
+def _images(split: str, n: int) -> tuple[Any, Any]:
+    import numpy as np
+
+    import eqx_lowmem as el
+
+    images, labels = el.data.fashion_mnist(split)
+    x = (images[:n].astype(np.float32) / 255.0 - 0.2860) / 0.3530  # the training set's stats
+    return x[:, None], labels[:n].astype(np.int32)  # (n, 1, 28, 28)
+
+
+def dsr_period(total_steps: int) -> int:
+    """DSR's base period for a run of `total_steps` updates.
+
+    Under `dsr(total_steps=...)` the period doubles at 20%, 40% and 60% of the run and
+    rewiring stops at 80%: 0.375 * total_steps / period rewirings in all. The authors rewire
+    every 100 of 100,000 updates (375 times); a run of a few hundred updates at that period
+    would rewire once or never, so this keeps about 10 rewirings, enough for DSR's threshold
+    (doubled or halved at each) to settle, and the authors' 100 as the longest period.
+    """
+    return max(1, min(100, round(0.375 * total_steps / 10)))
+
+
+def total_steps(cfg: dict) -> int:
+    return (cfg["train"] // cfg["batch"]) * cfg["epochs"]
+
+
+def make_config_step(name: str, cfg: dict, precision: str | None = None) -> Any:
+    """The training step of one configuration (`precision` overrides its own). One step
+    serves every seed: the same architecture compiles once."""
+    import optax
+
+    import eqx_lowmem as el
+
+    opts = _opts(name)
+    total = total_steps(cfg)
+    after_update = None
+    if opts["density"] is not None:
+        after_update = el.sparse.dsr(period=dsr_period(total), total_steps=total)
+    schedule = optax.cosine_decay_schedule(cfg["lr"], max(total, 1))
+    optimizer = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(schedule, momentum=0.9))
+    return el.train.make_step(
+        wrn_loss,
+        optimizer,
+        has_state=True,
+        accumulate=opts["accumulate"],
+        precision=precision or opts["precision"],
+        after_update=after_update,
+    )
+
+
+def init_state(name: str, seed: int, cfg: dict, step: Any) -> Any:
+    """The initial training state of one configuration and seed: for a seed, the dense
+    weights are the same in every configuration (the sparse one keeps 30% of them)."""
+    import equinox as eqx
+    import jax.random as jr
+
+    import eqx_lowmem as el
+
+    opts = _opts(name)
+    key = jr.PRNGKey(seed)
+    model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
+        cfg["depth"], cfg["width"], 10, key=key, in_channels=1, remat=opts["remat"]
+    )
+    if opts["density"] is not None:
+        model = el.sparse.sparsify(
+            model,
+            opts["density"],
+            key=jr.fold_in(key, 1),
+            slack=0.1,
+            exclude=el.nn.WideResNet.keep_dense,
+        )
+    return step.init(model, key=jr.fold_in(key, 2), model_state=state)
+
+
+def _predict(model, state, x):
+    import equinox as eqx
+    import jax.numpy as jnp
+
+    logits, _ = eqx.nn.inference_mode(model).batched(x, state)  # running statistics
+    return jnp.argmax(logits, axis=-1)
+
+
+def train_one(
+    name: str, seed: int, cfg: dict, data: tuple, step: Any = None, precision: str | None = None
+) -> dict:
+    """Train one configuration on the data with `step` (built here when None); test
+    accuracy after every epoch, the first call's seconds (compilation, when this step has
+    not run before) and the median seconds of the other updates."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import eqx_lowmem as el
+
+    (x_train, y_train), (x_test, y_test) = data
+    step = make_config_step(name, cfg, precision) if step is None else step
+    ts = init_state(name, seed, cfg, step)
+    predict = eqx.filter_jit(_predict)
+    steps_per_epoch = len(x_train) // cfg["batch"]
+    rng = np.random.default_rng(seed)
+    curve, losses, skipped, step_s, t0 = [], [], 0, [], time.perf_counter()
+    for epoch in range(cfg["epochs"]):
+        order = rng.permutation(len(x_train))
+        epoch_losses = []
+        for i in range(steps_per_epoch):
+            idx = np.sort(order[i * cfg["batch"] : (i + 1) * cfg["batch"]])
+            t1 = time.perf_counter()
+            ts, metrics = step(ts, (jnp.asarray(x_train[idx]), jnp.asarray(y_train[idx])))
+            jax.block_until_ready(metrics)
+            step_s.append(time.perf_counter() - t1)
+            epoch_losses.append(float(metrics["loss"]))
+            skipped += not bool(metrics["finite"])
+        correct = 0
+        for j in range(0, len(x_test), 500):
+            pred = predict(ts.model, ts.model_state, jnp.asarray(x_test[j : j + 500]))
+            correct += int(jnp.sum(pred == jnp.asarray(y_test[j : j + 500])))
+        curve.append(correct / len(x_test))
+        losses.append(float(np.mean(epoch_losses)))
+        print(
+            f"{name} seed {seed} epoch {epoch + 1}: loss {losses[-1]:.4f} "
+            f"test accuracy {curve[-1]:.4f} ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    out = {
+        "test_accuracy": curve,
+        "train_loss": losses,
+        "skipped_updates": skipped,
+        "final_loss_scale": float(metrics["loss_scale"]),
+        "first_call_s": step_s[0],
+        "step_s": statistics.median(step_s[1:]) if len(step_s) > 1 else None,
+        "seconds": time.perf_counter() - t0,
+    }
+    if _opts(name)["density"] is not None:
+        out["density"] = float(el.sparse.density(ts.model))
+    return out
+
+
+def time_steps(cfg: dict, data: tuple, steps: int = 5) -> dict:
+    """Seconds of the first call (compilation and one step) and the median of `steps` more,
+    for each configuration and for the combination in bf16."""
+    import jax
+    import jax.numpy as jnp
+
+    (x_train, y_train), _ = data
+    batch = (jnp.asarray(x_train[: cfg["batch"]]), jnp.asarray(y_train[: cfg["batch"]]))
+    rows = {
+        "baseline_fp32": ("baseline_fp32", None),
+        "combined_fp16": ("combined", "mixed_fp16"),
+        "combined_bf16": ("combined", "mixed_bf16"),
+    }
+    out = {}
+    for row, (name, precision) in rows.items():
+        step = make_config_step(name, cfg, precision)
+        ts = init_state(name, 0, cfg, step)
+        t0 = time.perf_counter()
+        ts, metrics = step(ts, batch)
+        jax.block_until_ready(metrics)
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            ts, metrics = step(ts, batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - t0)
+        out[row] = {"first_call_s": first, "step_s": statistics.median(times)}
+        print(f"{row}: first call {first:.1f} s, step {out[row]['step_s']:.3f} s", flush=True)
+    return out
+
+
+def run_quality(cfg: dict, precision: str | None = None) -> dict:
+    """The paper's accuracy comparison on Fashion-MNIST at `cfg`."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    data = (_images("train", cfg["train"]), _images("test", cfg["test"]))
+    steps = {
+        name: make_config_step(name, cfg, precision if name == "combined" else None)
+        for name in QUALITY_CONFIGS
+    }
+    runs: dict[str, dict] = {name: {} for name in QUALITY_CONFIGS}
+    for seed in cfg["seeds"]:
+        for name in QUALITY_CONFIGS:
+            runs[name][str(seed)] = train_one(name, seed, cfg, data, steps[name])
+    final = {n: float(np.mean([r["test_accuracy"][-1] for r in runs[n].values()])) for n in runs}
+    gap = final["baseline_fp32"] - final["combined"]
+    total = total_steps(cfg)
+    return {
+        "config": cfg,
+        "configs": QUALITY_CONFIGS,
+        "combined_precision": precision or QUALITY_CONFIGS["combined"]["precision"],
+        "dsr": {"period": dsr_period(total), "total_steps": total},
+        "runs": runs,
+        "final_mean_accuracy": final,
+        "gap_points": 100 * gap,
+        "within_half_a_point": bool(100 * gap <= 0.5),
+        "run_seconds": time.perf_counter() - t0,
+    }
+
+
+def plot_quality(result: dict, path: Path) -> None:
+    import matplotlib as mpl
+
+    mpl.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for c, (name, seeds) in enumerate(result["runs"].items()):
+        for s, (seed, r) in enumerate(seeds.items()):
+            epochs = range(1, len(r["test_accuracy"]) + 1)
+            style = {"color": f"C{c}", "linestyle": ("-", "--", ":", "-.")[s % 4]}
+            ax.plot(epochs, r["test_accuracy"], marker="o", label=f"{name}, seed {seed}", **style)
+    cfg = result["config"]
+    ax.set_xticks(range(1, cfg["epochs"] + 1))
+    ax.set_xlabel(f"epoch ({cfg['train']:,} images, batch {cfg['batch']})")
+    ax.set_ylabel(f"test accuracy ({cfg['test']:,} images)")
+    ax.set_title(
+        f"WRN-{cfg['depth']}-{cfg['width']} on Fashion-MNIST: FP32 dense vs the combination"
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    p.add_argument("--timing-only", action="store_true", help="time the steps, train nothing")
+    p.add_argument("--ablation", action="store_true", help="each technique alone, seed 0")
+    p.add_argument("--out", default=str(RESULTS), help="directory for the JSON and plot")
+    p.add_argument(
+        "--precision",
+        help="the combined run's precision (default mixed_fp16; mixed_bf16 where XLA:CPU's "
+        "FP16 is too slow)",
+    )
+    for field in ("train", "test", "epochs", "batch"):
+        p.add_argument(f"--{field}", type=int, help=f"override the configuration's {field}")
+    p.add_argument("--seeds", type=int, nargs="+", help="override the configuration's seeds")
+    args = p.parse_args(argv)
+    cfg = dict(QUALITY_QUICK if args.quick else QUALITY)
+    for field in ("train", "test", "epochs", "batch", "seeds"):
+        if getattr(args, field) is not None:
+            cfg[field] = getattr(args, field)
+    out = Path(args.out)
+    suffix = "_quick" if args.quick else ""
+    if args.timing_only:
+        data = (_images("train", cfg["batch"]), _images("test", cfg["batch"]))
+        times = {"config": cfg, "steps": time_steps(cfg, data)}
+        write_json(f"paper_quality_timing{suffix}", times, out)
+        return 0
+    if args.ablation:
+        data = (_images("train", cfg["train"]), _images("test", cfg["test"]))
+        runs = {name: {"0": train_one(name, 0, cfg, data)} for name in ABLATIONS}
+        write_json(
+            f"paper_quality_ablation{suffix}",
+            {"config": cfg, "configs": ABLATIONS, "runs": runs},
+            out,
+        )
+        return 0
+    result = run_quality(cfg, args.precision)
+    # The whole script, imports and data included, up to the JSON.
+    result["wall_seconds"] = time.perf_counter() - _START
+    print(json.dumps(result["final_mean_accuracy"]), f"gap {result['gap_points']:.2f} points")
+    print(f"whole run: {result['wall_seconds']:.0f} s")
+    write_json(f"paper_quality{suffix}", result, out)
+    plot_quality(result, out / f"paper_quality{suffix}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
