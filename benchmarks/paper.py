@@ -1,7 +1,8 @@
 """Sohoni et al. (2019), "Low-memory neural network training: a technical report",
-reproduced with eqx_lowmem: the memory tables (compile only) and a quality run.
+reproduced with eqx_lowmem: the memory tables (compile only). The accuracy comparison is
+`benchmarks/paper_quality.py`.
 
-Memory (`--memory`, default): WideResNet-28-2 at batch 100 on 32x32x3 inputs with momentum
+Memory: WideResNet-28-2 at batch 100 on 32x32x3 inputs with momentum
 SGD, as the paper, one row per technique and their combination; and a transformer at the
 paper's settings (FP16, micro-batches of 250 tokens, every block checkpointed). Each row is
 `eqx_lowmem.memory.memory_report` of the real training step (`make_step`), compiled in a
@@ -11,15 +12,8 @@ accumulator with micro-batches), optimizer state, saved activations, the predict
 float32), the sum of the parts the paper's profiler counts (every tensor but XLA's other
 temporaries), and the reduction of each against our own FP32 baseline next to the paper's.
 
-Quality (`--quality`): a small WideResNet on Fashion-MNIST (Debian package
-`dataset-fashion-mnist`), the FP32 dense baseline against the paper's whole combination
-(16-bit + checkpointing + micro-batches of 10 + 30% density with DSR), the same epochs and
-seeds; test accuracy per epoch in the JSON and the plot. `--quick` shrinks everything to a
-smoke test.
-
-    python benchmarks/paper.py              # memory tables, then the quality run
-    python benchmarks/paper.py --memory     # memory tables only
-    python benchmarks/paper.py --quality --quick
+    python benchmarks/paper.py              # memory tables
+    python benchmarks/paper.py --quick
 """
 
 import argparse
@@ -367,176 +361,11 @@ def plot_memory(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-# The quality run: a WRN small enough for two CPU cores, on a part of Fashion-MNIST.
-QUALITY = {
-    "depth": 10,
-    "width": 2,
-    "train": 12_000,
-    "test": 10_000,
-    "epochs": 4,
-    "seeds": [0, 1],
-    "batch": 100,
-    "lr": 0.05,
-}
-QUALITY_QUICK = {
-    "depth": 10,
-    "width": 1,
-    "train": 400,
-    "test": 200,
-    "epochs": 1,
-    "seeds": [0],
-    "batch": 100,
-    "lr": 0.05,
-}
-QUALITY_CONFIGS = {
-    "baseline_fp32": {"precision": "float32", "remat": False, "accumulate": 1, "density": None},
-    "combined": {
-        "precision": "mixed_fp16",
-        "remat": "checkpoint-residual-1",
-        "accumulate": 10,
-        "density": 0.3,
-    },
-}
-
-
-def _images(split: str, n: int) -> tuple[Any, Any]:
-    import numpy as np
-
-    import eqx_lowmem as el
-
-    images, labels = el.data.fashion_mnist(split)
-    x = (images[:n].astype(np.float32) / 255.0 - 0.2860) / 0.3530  # the training set's stats
-    return x[:, None], labels[:n].astype(np.int32)  # (n, 1, 28, 28)
-
-
-def train_one(name: str, seed: int, cfg: dict, data: tuple, precision: str | None = None) -> dict:
-    """Train one configuration on the data; test accuracy after every epoch."""
-    import equinox as eqx
-    import jax.numpy as jnp
-    import jax.random as jr
-    import numpy as np
-    import optax
-
-    import eqx_lowmem as el
-
-    opts = QUALITY_CONFIGS[name]
-    (x_train, y_train), (x_test, y_test) = data
-    key = jr.PRNGKey(seed)
-    model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
-        cfg["depth"], cfg["width"], 10, key=key, in_channels=1, remat=opts["remat"]
-    )
-    after_update = None
-    steps_per_epoch = len(x_train) // cfg["batch"]
-    total = steps_per_epoch * cfg["epochs"]
-    if opts["density"] is not None:
-        import eqx_lowmem.sparse as sparse
-
-        model = sparse.sparsify(
-            model,
-            opts["density"],
-            key=jr.fold_in(key, 1),
-            slack=0.1,
-            exclude=el.nn.WideResNet.keep_dense,
-        )
-        after_update = sparse.dsr(period=max(1, min(100, total // 8)), total_steps=total)
-    schedule = optax.cosine_decay_schedule(cfg["lr"], max(total, 1))
-    optimizer = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(schedule, momentum=0.9))
-    step = el.train.make_step(
-        wrn_loss,
-        optimizer,
-        has_state=True,
-        accumulate=opts["accumulate"],
-        precision=precision or opts["precision"],
-        after_update=after_update,
-    )
-    ts = step.init(model, key=jr.fold_in(key, 2), model_state=state)
-
-    @eqx.filter_jit
-    def predict(model, state, x):
-        logits, _ = eqx.nn.inference_mode(model).batched(x, state)
-        return jnp.argmax(logits, axis=-1)
-
-    rng = np.random.default_rng(seed)
-    curve, losses, t0 = [], [], time.perf_counter()
-    for epoch in range(cfg["epochs"]):
-        order = rng.permutation(len(x_train))
-        epoch_losses = []
-        for i in range(steps_per_epoch):
-            idx = np.sort(order[i * cfg["batch"] : (i + 1) * cfg["batch"]])
-            ts, metrics = step(ts, (jnp.asarray(x_train[idx]), jnp.asarray(y_train[idx])))
-            epoch_losses.append(float(metrics["loss"]))
-        correct = 0
-        for j in range(0, len(x_test), 500):
-            pred = predict(ts.model, ts.model_state, jnp.asarray(x_test[j : j + 500]))
-            correct += int(jnp.sum(pred == jnp.asarray(y_test[j : j + 500])))
-        curve.append(correct / len(x_test))
-        losses.append(float(np.mean(epoch_losses)))
-        print(
-            f"{name} seed {seed} epoch {epoch + 1}: loss {losses[-1]:.4f} "
-            f"test accuracy {curve[-1]:.4f} ({time.perf_counter() - t0:.0f} s)",
-            flush=True,
-        )
-    out = {"test_accuracy": curve, "train_loss": losses, "seconds": time.perf_counter() - t0}
-    if opts["density"] is not None:
-        out["density"] = float(el.sparse.density(ts.model))
-    return out
-
-
-def run_quality(quick: bool, precision: str | None = None) -> dict:
-    """The paper's accuracy comparison on Fashion-MNIST, small enough for two CPU cores."""
-    import numpy as np
-
-    cfg = QUALITY_QUICK if quick else QUALITY
-    data = (_images("train", cfg["train"]), _images("test", cfg["test"]))
-    runs: dict[str, dict] = {name: {} for name in QUALITY_CONFIGS}
-    for seed in cfg["seeds"]:
-        for name in QUALITY_CONFIGS:
-            p = precision if name == "combined" else None
-            runs[name][str(seed)] = train_one(name, seed, cfg, data, p)
-    final = {n: float(np.mean([r["test_accuracy"][-1] for r in runs[n].values()])) for n in runs}
-    gap = final["baseline_fp32"] - final["combined"]
-    return {
-        "config": cfg,
-        "configs": QUALITY_CONFIGS,
-        "combined_precision": precision or QUALITY_CONFIGS["combined"]["precision"],
-        "runs": runs,
-        "final_mean_accuracy": final,
-        "gap_points": 100 * gap,
-        "within_half_a_point": bool(100 * gap <= 0.5),
-    }
-
-
-def plot_quality(result: dict, path: Path) -> None:
-    import matplotlib as mpl
-
-    mpl.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, seeds in result["runs"].items():
-        for seed, r in seeds.items():
-            epochs = range(1, len(r["test_accuracy"]) + 1)
-            ax.plot(epochs, r["test_accuracy"], marker="o", label=f"{name}, seed {seed}")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("test accuracy")
-    ax.set_title("WRN on Fashion-MNIST: FP32 dense vs the paper's combination")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--memory", action="store_true", help="memory tables only")
-    p.add_argument("--quality", action="store_true", help="quality run only")
+    p.add_argument("--memory", action="store_true", help="memory tables (the default)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test")
     p.add_argument("--out", default=str(RESULTS), help="directory for the JSON and plots")
-    p.add_argument(
-        "--precision",
-        help="the combined run's precision (default mixed_fp16; mixed_bf16 where XLA:CPU's "
-        "FP16 is too slow)",
-    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -544,21 +373,14 @@ def main(argv: list[str] | None = None) -> int:
         fn = worker_wrn if spec["kind"] == "wrn" else worker_transformer
         print("RESULT " + json.dumps(fn(spec)), flush=True)
         return 0
-    both = not (args.memory or args.quality)
     out = Path(args.out)
     suffix = "_quick" if args.quick else ""
-    if args.memory or both:
-        result = run_memory(args.quick)
-        print("\n".join(result["table_wrn"]))
-        print("\n".join(result["table_transformer"]))
-        print(json.dumps(result["goals"], indent=1))
-        write_json(f"paper{suffix}", result, out)
-        plot_memory(result, out / f"paper{suffix}.png")
-    if args.quality or both:
-        result = run_quality(args.quick, args.precision)
-        print(json.dumps(result["final_mean_accuracy"]), f"gap {result['gap_points']:.2f} points")
-        write_json(f"paper_quality{suffix}", result, out)
-        plot_quality(result, out / f"paper_quality{suffix}.png")
+    result = run_memory(args.quick)
+    print("\n".join(result["table_wrn"]))
+    print("\n".join(result["table_transformer"]))
+    print(json.dumps(result["goals"], indent=1))
+    write_json(f"paper{suffix}", result, out)
+    plot_memory(result, out / f"paper{suffix}.png")
     return 0
 
 
