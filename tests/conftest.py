@@ -12,6 +12,8 @@ import jax  # noqa: E402
 import jax.random as jr  # noqa: E402
 import pytest  # noqa: E402
 
+from .helpers import compile_cache_env  # noqa: E402
+
 # Strict promotion catches silent float64/int upcasts and accidental broadcasting.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -30,19 +32,27 @@ def getkey():
     return _getkey
 
 
-# Scheduling over the workers (pyproject: `--dist loadgroup --no-loadscope-reorder`): a
-# test file is one unit, run by one worker (its module fixtures compile once), except the
-# files in SPLIT, whose tests are independent and each heavy: there each test is a unit.
-# Units start slowest first (measured on 2 cores) and the short ones fill in at the end;
-# by default xdist would start the files with the most tests first, leaving a heavy file
-# of few tests for last while the other worker idles.
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The environment for a test module's subprocesses: they share one persistent
+    compilation cache, so a later process loads what an earlier one compiled."""
+    return compile_cache_env(tmp_path_factory.mktemp("jax_cache"))
+
+
+# Scheduling over the workers (pyproject: `--dist loadfile --no-loadscope-reorder`): each test
+# file is run by one worker (its module fixtures compile once). Files start slowest first
+# (measured on 2 cores) and the short ones fill in at the end; by default xdist starts the
+# files with the most tests first, leaving the heavy files of few tests for last while the
+# other worker idles. (`--dist loadgroup` would let a file's tests go apart, but with
+# pytest 9 it ignores its groups: xdist 3.8 renames `item._nodeid`, which pytest 9 no
+# longer reads.)
 SLOWEST_FIRST = (
-    "test_examples.py::test_the_readmes_short_example_runs_at_its_size_and_resumes",
+    "test_readme.py",
     "test_wrn.py",
     "test_fsdp.py",
     "test_gpu_script.py",
     "test_sparse_rewire.py",
-    "test_examples.py::test_char_lm_trains_and_a_second_run_resumes",
+    "test_examples.py",
     "test_multihost.py",
     "test_subprocess.py",
     "test_interrupt.py",
@@ -51,19 +61,8 @@ SLOWEST_FIRST = (
     "test_doctests.py",
     "test_memory_plan.py",
 )
-SPLIT = ("test_examples.py",)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-
-    def order(item):
-        name = item.path.name
-        return rank.get(f"{name}::{item.originalname}", rank.get(name, len(rank)))
-
-    items.sort(key=order)  # stable: the rest keep their order
-    if getattr(config.option, "dist", "no") == "loadgroup":
-        for item in items:
-            if item.path.name not in SPLIT:
-                item.add_marker(pytest.mark.xdist_group(item.path.name))
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable

@@ -111,14 +111,17 @@ print("finished", flush=True)
 """
 
 
-def _child(directory, phase, n, **kwargs):
+def _child(directory, phase, n, env):
+    # `env` (conftest): the children compile the same programs; the first compiles, the
+    # others load them from the module's cache. They run one after another and die only
+    # outside compilation.
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, str(directory), phase, str(n)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        **kwargs,
+        env=env,
     )
 
 
@@ -169,8 +172,8 @@ PHASES = [
 
 
 @pytest.mark.parametrize("phase, n", PHASES, ids=[p for p, _ in PHASES])
-def test_sigkill_at_every_phase_resumes_bit_identically(tmp_path, uninterrupted, phase, n):
-    with _child(tmp_path, phase, n) as proc:
+def test_sigkill_at_every_phase_resumes_bit_identically(tmp_path, uninterrupted, env, phase, n):
+    with _child(tmp_path, phase, n, env) as proc:
         out, err = proc.communicate(timeout=240)
     assert proc.returncode == -signal.SIGKILL, (out, err)
     assert "finished" not in out
@@ -182,8 +185,8 @@ def test_sigkill_at_every_phase_resumes_bit_identically(tmp_path, uninterrupted,
     _check_resumes_exactly(tmp_path, uninterrupted)
 
 
-def test_ctrl_c_saves_and_exits_with_one_line_then_resumes(tmp_path, uninterrupted):
-    with _child(tmp_path, "sigint", 0) as proc:
+def test_ctrl_c_saves_and_exits_with_one_line_then_resumes(tmp_path, uninterrupted, env):
+    with _child(tmp_path, "sigint", 0, env) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("update 5"):
@@ -223,10 +226,11 @@ def test_interrupt_raise_keeps_the_saved_state_in_memory(tmp_path):
 
     trainer = make_trainer(tmp_path, callback)
     trainer.interrupt = "raise"
+    handler = signal.getsignal(signal.SIGINT)  # SIG_IGN in a background job, else the default
     with pytest.raises(KeyboardInterrupt, match="interrupted at update 3"):
         fit(trainer)
     state, meta = el.train.load_checkpoint(tmp_path / el.train.CHECKPOINT_NAME, trainer.state)
     assert meta["updates"] == 3 and int(state.step) == 3
     assert _same(state.model, trainer.state.model)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert signal.getsignal(signal.SIGINT) is handler  # restored
     assert not [t for t in threading.enumerate() if t.name.startswith("eqx_lowmem.data.")]

@@ -9,6 +9,8 @@ import textwrap
 
 import numpy as np
 
+from .helpers import compile_cache_env
+
 TRAIN_SCRIPT = textwrap.dedent(
     """
     import sys, time
@@ -52,7 +54,9 @@ def _load(path):
 
 
 def test_killed_run_resumes_bit_identically(tmp_path):
-    _run(TRAIN_SCRIPT, tmp_path / "full", tmp_path / "full.npz", 0)
+    # The three runs compile the same programs: the later two load them from a cache.
+    env = compile_cache_env(tmp_path / "jax_cache")
+    _run(TRAIN_SCRIPT, tmp_path / "full", tmp_path / "full.npz", 0, env=env)
 
     interrupted = tmp_path / "interrupted"
     with subprocess.Popen(
@@ -60,6 +64,7 @@ def test_killed_run_resumes_bit_identically(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        env=env,
     ) as proc:
         assert proc.stdout is not None
         # Epoch 1 has 8 updates; kill in the middle of epoch 2, after a checkpoint.
@@ -72,7 +77,7 @@ def test_killed_run_resumes_bit_identically(tmp_path):
     assert (interrupted / "checkpoint.ckpt").exists()
     assert not (tmp_path / "x.npz").exists()
 
-    resumed = _run(TRAIN_SCRIPT, interrupted, tmp_path / "resumed.npz", 0)
+    resumed = _run(TRAIN_SCRIPT, interrupted, tmp_path / "resumed.npz", 0, env=env)
     # It resumed from the checkpoint after update 4 of epoch 2 (numbered 1 from 0):
     # checkpoint_every=3 counts the run's updates (8 + 4 = 12).
     assert resumed.stdout.splitlines()[0] == "update 1 5"
