@@ -13,8 +13,14 @@ import importlib.metadata
 import pathlib
 import re
 
-from . import data as data, memory as memory, nn as nn, precision as precision, train as train
-from . import sparse as sparse
+from . import (
+    data as data,
+    memory as memory,
+    nn as nn,
+    precision as precision,
+    sparse as sparse,
+    train as train,
+)
 
 
 def _version() -> str:

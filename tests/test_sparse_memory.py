@@ -137,12 +137,6 @@ def test_dsr_adds_at_most_half_a_percent_to_the_step_peak_when_run_after_the_upd
     assert rewired - plain <= 0.005 * dense_peak, (rewired - plain) / 2**20
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="make_step calls after_update inside its if_finite lax.cond, where XLA copies "
-    "the optimizer's outputs that the rewiring reads (0.85x dense); calling the hook after "
-    "that cond, with info.finite, gives the 0.6x of the test above",
-)
 def test_dsr_step_peak_at_30_percent_is_at_most_0_6x_dense():
     dense_state, dense_peak = _step_memory(_shapes(_mlp), _BATCH, el.train.cross_entropy)
     sparse = _shapes(_mlp, 0.3)

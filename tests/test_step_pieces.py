@@ -180,20 +180,30 @@ def test_after_update_sees_the_new_state_and_can_take_another_gradient(getkey):
     assert tree_allclose(_params(state.model), _params(expected), rtol=1e-5, atol=1e-6)
 
 
-def test_after_update_is_skipped_with_the_update_and_must_keep_shapes(getkey):
+def test_after_update_is_told_whether_the_update_was_skipped_and_must_keep_shapes(getkey):
     model = el.nn.mlp([2, 3, 1], key=getkey())
-    calls = []
+    seen = []
 
     def hook(state, info):
-        calls.append(1)  # traced once; the cond decides at run time
-        return eqx.tree_at(lambda s: s.step, state, state.step + 100)
+        # Runs on every step, after the update or its skip; this one counts both kinds.
+        seen.append(info.finite)
+        bump = jnp.where(info.finite, 100, 1000)
+        return eqx.tree_at(lambda s: s.step, state, state.step + bump)
 
     step = el.train.make_step(el.train.mse, optax.sgd(0.1), after_update=hook)
     state = step.init(model, key=getkey())
+    before = jax.tree.map(np.array, _params(state.model))  # the step donates its input
     state, m = step(state, (jnp.full((4, 2), jnp.nan), jnp.zeros((4, 1))))
-    assert not bool(m["finite"]) and int(state.step) == 0
+    # skipped: the parameters are the old ones and the hook saw finite=False
+    assert not bool(m["finite"]) and int(state.step) == 1000
+    after = jax.tree.map(np.array, _params(state.model))
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True)
+    )
     state, m = step(state, (jnp.ones((4, 2)), jnp.zeros((4, 1))))
-    assert bool(m["finite"]) and int(state.step) == 101
+    assert bool(m["finite"]) and int(state.step) == 1101
+    assert seen, "the hook was never traced"
 
     def bad(state, info):
         return eqx.tree_at(lambda s: s.step, state, jnp.zeros((2,), jnp.int32))

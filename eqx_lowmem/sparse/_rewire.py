@@ -250,9 +250,10 @@ def _rewire(
 
 
 def _if_updated(do: Array, info: Any) -> Array:
-    """`do`, and only after an update that happened, for a step that calls its hook after
-    its finiteness check and says so in `info.finite` (a step that calls it inside the
-    check's branch, as `eqx_lowmem.train.make_step` does, has no such field)."""
+    """`do`, and only after an update that happened: `eqx_lowmem.train.make_step` calls
+    its hook on every step, after its finiteness check, and says in `info.finite` whether
+    the update was applied (a caller without that field calls the hook after applied
+    updates only)."""
     finite = getattr(info, "finite", None)
     return do if finite is None else do & finite
 

@@ -1,7 +1,7 @@
 """The training step: the composition of the pieces, in one jitted, donated call.
 
     batch ─ accumulate(loss_grad) ─ [shard_map over devices] ─ mean_gradient ─ if_finite(
-        optimizer_update ─ apply_updates ─ after_update) ─ loss scale ─ new TrainState
+        optimizer_update ─ apply_updates) ─ after_update ─ loss scale ─ new TrainState
 
 Every piece is a pure function of its own module (`_loss`, `_accumulate`, `_update`,
 `_shard`); this file only wires them and checks what users pass in.
@@ -591,27 +591,21 @@ class Step:
                 opt_state=opt_state,
                 model_state=sums.model_state,
             )
-            if c.after_update is not None:
-                new = c.after_update(new, UpdateInfo(mean.grads, hook_key, grad_fn))
             return new
 
         dynamic, state_static = eqx.partition(state, eqx.is_array)
-
-        def apply_arrays():
-            new_dynamic = eqx.filter(apply(), eqx.is_array)
-
-            def avals(tree):
-                return jax.tree.structure(tree), [(x.shape, x.dtype) for x in
-                                                  jax.tree.leaves(tree)]  # fmt: skip
-
-            if avals(new_dynamic) != avals(dynamic):
-                raise ValueError(
-                    "after_update must return a TrainState of the same structure, shapes "
-                    "and dtypes as it received (rewiring changes values only)."
-                )
-            return new_dynamic
-
-        new = eqx.combine(if_finite(mean.finite, apply_arrays, dynamic), state_static)
+        new = eqx.combine(
+            if_finite(mean.finite, lambda: eqx.filter(apply(), eqx.is_array), dynamic),
+            state_static,
+        )
+        if c.after_update is not None:
+            # After the finiteness cond, not inside it: a hook that reads the optimizer's
+            # outputs inside the cond's branch makes XLA keep a second copy of the
+            # parameters and optimizer state (0.85x instead of 0.58x of a dense step's
+            # peak for DSR at 30%). The hook gates itself on `info.finite`.
+            hooked = c.after_update(new, UpdateInfo(mean.grads, hook_key, grad_fn, mean.finite))
+            _check_hooked(hooked, new)
+            new = hooked
         if c.mesh is not None:
             new = self._constrain(new)
         loss_scale = None if state.loss_scale is None else state.loss_scale.adjust(mean.finite)
@@ -632,6 +626,22 @@ class Step:
             lambda x, s: x if s is None else jax.lax.with_sharding_constraint(x, s),
             state, shardings, is_leaf=lambda x: x is None,
         )  # fmt: skip
+
+
+def _check_hooked(hooked: Any, state: TrainState) -> None:
+    """An `after_update` hook must return a TrainState of the same structure, shapes and
+    dtypes (rewiring changes values only)."""
+
+    def avals(tree):
+        arrays, static = eqx.partition(tree, eqx.is_array)
+        shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(arrays)]
+        return jax.tree.structure(arrays), shapes, jax.tree.structure(static)
+
+    if not isinstance(hooked, TrainState) or avals(hooked) != avals(state):
+        raise ValueError(
+            "after_update must return a TrainState of the same structure, shapes and dtypes "
+            "as it received (rewiring changes values only)."
+        )
 
 
 def make_step(
@@ -702,8 +712,10 @@ def make_step(
             communication: an all-gather of each weight per micro-batch forward (and again in
             the recomputation of the backward) and a reduce-scatter of its gradient.
         after_update: a hook `after_update(state, info) -> state`, run inside the jitted
-            step after each applied (finite) update with an `UpdateInfo` (the mean gradient,
-            a fresh key, and `grad_fn` for another gradient of the batch). It must keep
+            step on every step, after the update (or its skip, for a non-finite gradient),
+            with an `UpdateInfo`: the mean gradient, a fresh key, `grad_fn` for another
+            gradient of the batch, and `finite`, False when the update was skipped (gate
+            on it: the sparse hooks rewire only after an applied update). It must keep
             every leaf's shape and dtype. Sparse training rewires there
             (`eqx_lowmem.sparse`).
         jit: False runs the step eagerly (for debugging).

@@ -9,7 +9,8 @@
    stochastically rounded for 16-bit ones.
 3. `if_finite`: the new state where the gradient is finite, else the old one unchanged
    (parameters, optimizer state, model state and update counter), as a `lax.cond`.
-4. An `after_update` hook (`UpdateInfo`), inside the finite branch: sparse layers rewire there.
+4. An `after_update` hook (`UpdateInfo`), after the finite branch (told whether the update
+   was applied): sparse layers rewire there.
 """
 
 from collections.abc import Callable
@@ -46,11 +47,17 @@ class UpdateInfo(NamedTuple):
             model of the same structure as its argument's inexact leaves (for example a dense
             view of a sparse model, for RigL). It costs one more accumulated backward pass
             each time it is called: call it under `jax.lax.cond` on the steps that need it.
+        finite: whether this step's update was applied (False: a non-finite gradient
+            skipped it, and the state is the previous one). The hook runs on every step,
+            after the update or its skip; a hook that should act only after an update
+            gates its work on `finite` (`jax.lax.cond`, or `jnp.where`). None where a
+            caller has no such check.
     """
 
     grads: Any
     key: PRNGKeyArray
     grad_fn: Callable[[Any], Any]
+    finite: Bool[Array, ""] | None = None
 
 
 def mean_gradient(sums: Sums, scale: Float[Array, ""]) -> MeanGradient:
