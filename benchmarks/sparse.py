@@ -15,6 +15,7 @@ Run: `.venv/bin/python benchmarks/sparse.py [--epochs 10]`. Writes
 """
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -264,6 +265,12 @@ def main() -> None:
     if not args.skip_quality:
         payload["quality"] = quality(args.epochs)
         plot(payload["quality"], RESULTS / "sparse.png")
+    elif (RESULTS / "sparse.json").exists():
+        # Keep the last quality run, with the environment (date, versions) it ran in.
+        last = json.loads((RESULTS / "sparse.json").read_text())
+        if "quality" in last:
+            payload["quality"] = last["quality"]
+            payload["quality_environment"] = last.get("quality_environment", last["environment"])
     print(write_json("sparse", payload))
 
 
