@@ -503,17 +503,20 @@ class Step:
             )
         return new_dynamic, metrics
 
+    def _grad_fn(self, static: Any, prepare: Callable[[Any], Any] | None = None):
+        """The accumulated gradient function of the loss, for a model split off `static`."""
+        c = self.config
+        dtype = c.accumulate_dtype
+        grad_fn = loss_grad(c.loss_fn, static, c.policy, prepare=prepare, dtype=dtype)
+        return accumulate(grad_fn, c.accumulate, dtype=dtype)
+
     def _sums(self, model: Any, model_state, batch, w, key, scale) -> Sums:
         """The summed gradient of the batch w.r.t. the inexact leaves of `model`, over every
         micro-batch and device."""
         c = self.config
         if c.mesh is None:
             params, static = eqx.partition(model, eqx.is_inexact_array)
-            dtype = c.accumulate_dtype
-            grad_fn = accumulate(
-                loss_grad(c.loss_fn, static, c.policy, dtype=dtype), c.accumulate, dtype=dtype
-            )
-            return grad_fn(params, model_state, batch, w, key, scale)
+            return self._grad_fn(static)(params, model_state, batch, w, key, scale)
 
         axis, n = c.data_axis, self.n_shards
         if c.shard == "fsdp":
@@ -536,14 +539,8 @@ class Step:
                 def prepare(model):
                     return gather_leaves(model, specs, axis)
 
-            dtype = c.accumulate_dtype
-            grad_fn = accumulate(
-                loss_grad(c.loss_fn, static, c.policy, prepare=prepare, dtype=dtype),
-                c.accumulate,
-                dtype=dtype,
-            )
             with layer_hook(gather_layer(axis) if c.shard == "fsdp" else None):
-                sums = grad_fn(params, model_state, batch, w, key, scale)
+                sums = self._grad_fn(static, prepare)(params, model_state, batch, w, key, scale)
             # Sharded leaves arrive reduce-scattered (the transpose of their all-gather);
             # replicated ones are summed here, once per update, after the micro-batches.
             grads = jax.tree.map(
@@ -633,9 +630,9 @@ def _check_hooked(hooked: Any, state: TrainState) -> None:
     dtypes (rewiring changes values only)."""
 
     def avals(tree):
-        arrays, static = eqx.partition(tree, eqx.is_array)
-        shapes = [(x.shape, x.dtype) for x in jax.tree.leaves(arrays)]
-        return jax.tree.structure(arrays), shapes, jax.tree.structure(static)
+        # The array tree's structure holds the places of the non-array leaves too.
+        arrays = eqx.filter(tree, eqx.is_array)
+        return jax.tree.structure(arrays), [(x.shape, x.dtype) for x in jax.tree.leaves(arrays)]
 
     if not isinstance(hooked, TrainState) or avals(hooked) != avals(state):
         raise ValueError(
