@@ -36,3 +36,14 @@ def test_the_readmes_short_example_runs_at_its_size_and_resumes(tmp_path, env):
     (tmp_path / "load.py").write_text(load)
     out = _run("load.py", cwd=tmp_path, env=env)
     assert out.stdout.strip().splitlines()[-1] == "(128, 128)"
+
+
+def test_the_readmes_sparse_example_runs_and_keeps_its_density(tmp_path, env):
+    # The README's sparse-training code, as written: three DSR steps at 30% density, then
+    # densified back to plain Linear layers.
+    (tmp_path / "sparse.py").write_text(_readme_block("sparse-example"))
+    out = _run("sparse.py", cwd=tmp_path, env=env).stdout.strip().splitlines()
+    density, loss = out[-2].split(", ")
+    assert density == "density 0.300"
+    assert 0.0 < float(loss.removeprefix("loss ")) < 10.0
+    assert out[-1] == "Linear (300, 784)"
