@@ -61,22 +61,48 @@ def _check_invariants(model, opt_state):
             assert np.all(np.asarray(m.values, np.float32)[empty] == 0)
 
 
-@pytest.mark.parametrize("name", ["dsr", "set", "rigl"])
-def test_invariants_after_rewiring_in_the_step(name, getkey):
-    hooks = {
-        "dsr": sp.dsr(period=2, fraction=0.05, threshold=0.05),
-        "set": sp.set_(period=2),
-        "rigl": sp.rigl(period=2, total_steps=40),
+_RIGL_TOTAL = 40
+
+
+@pytest.fixture(scope="module")
+def steps():
+    """The rewiring steps the tests below share, by name: compiling one is seconds of CPU,
+    so each is compiled once for the module (every test's model and batch have the same
+    shapes: `_model`, `_data`)."""
+    return {
+        "dsr": el.train.make_step(
+            el.train.mse,
+            optax.adam(1e-2),
+            after_update=sp.dsr(period=2, fraction=0.05, threshold=0.05),
+        ),
+        # SET's state is checked for an optax.chain and for half-precision AdamW state
+        "set": el.train.make_step(
+            el.train.mse,
+            optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, momentum=0.9)),
+            after_update=sp.set_(period=1),
+        ),
+        "set_half": el.train.make_step(
+            el.train.mse, optax.adamw(1e-2), precision="half_bf16", after_update=sp.set_(period=1)
+        ),
+        "rigl": el.train.make_step(
+            el.train.mse, optax.adam(1e-2), after_update=sp.rigl(period=2, total_steps=_RIGL_TOTAL)
+        ),
     }
+
+
+@pytest.mark.parametrize("name", ["dsr", "set", "rigl"])
+def test_invariants_after_rewiring_in_the_step(name, steps, getkey):
+    step = steps[name]
     model = _model(getkey())
-    step = el.train.make_step(el.train.mse, optax.adam(1e-2), after_update=hooks[name])
     state = step.init(model, key=getkey())
     before = [np.asarray(x.nnz()) for _, x in sp.sparse_layers(state.model)]
     first = [np.asarray(x.indices) for _, x in sp.sparse_layers(state.model)]
     batch = _data(getkey())
-    for _ in range(8):
+    for i in range(8):
         state, metrics = step(state, batch)
         assert bool(metrics["finite"])
+        if i == 0:
+            compiled = step._jitted._cache_size()
     after = [np.asarray(x.nnz()) for _, x in sp.sparse_layers(state.model)]
     if name == "dsr":
         assert sum(int(a.sum()) for a in after) == sum(int(b.sum()) for b in before)
@@ -90,7 +116,8 @@ def test_invariants_after_rewiring_in_the_step(name, getkey):
     ]
     assert all(moved)
     _check_invariants(state.model, state.opt_state)
-    assert step._jitted._cache_size() == 1  # rewiring never recompiles
+    # rewiring never recompiles (the step is shared: its programs are counted from the first)
+    assert step._jitted._cache_size() == compiled
 
 
 def test_dsr_threshold_rule_on_a_hand_made_set():
@@ -123,7 +150,8 @@ def test_dsr_threshold_rule_on_a_hand_made_set():
     # H = 1e-3 prunes |w| < 1e-3: a's 0.0005 and -0.0001, b's 0.0009 (3 weights). The
     # target is fraction * 32 = 3.2 weights, so 3 < (1 - 0.1) * 3.2 = 2.88 is false and
     # 3 > 3.52 is false: H stays.
-    hook = sp.dsr(period=100, fraction=0.1, threshold=1e-3, tolerance=0.1)
+    # jitted, as in a step (and one compilation a structure, not one per operation)
+    hook = eqx.filter_jit(sp.dsr(period=100, fraction=0.1, threshold=1e-3, tolerance=0.1))
     new = hook(state, Info(None, jr.PRNGKey(1), None))
     na, nb = new.model
     assert int(na.threshold_exp) == 0 and int(nb.threshold_exp) == 0
@@ -154,7 +182,7 @@ def test_dsr_threshold_rule_on_a_hand_made_set():
     out = hook(st, Info(None, jr.PRNGKey(2), None))
     assert int(out.model[0].threshold_exp) == 1 and int(out.model[1].threshold_exp) == 1
     # Too many pruned: H halves (target 0.01 * 32 = 0.32 weights, 1 pruned).
-    out = sp.dsr(period=100, fraction=0.01)(st, Info(None, jr.PRNGKey(2), None))
+    out = eqx.filter_jit(sp.dsr(period=100, fraction=0.01))(st, Info(None, jr.PRNGKey(2), None))
     assert int(out.model[0].threshold_exp) == -1
     # Not a rewiring step: nothing changes.
     off = dataclasses.replace(st, step=jnp.asarray(101, jnp.int32))
@@ -172,23 +200,29 @@ def _reference_rigl(model, batch, steps, period, fraction, total, lr):
     params, static = eqx.partition(dense, eqx.is_inexact_array)
     opt_state = opt.init(params)
 
-    def loss(p):
+    @jax.jit
+    @jax.grad
+    def grad_of(p):
         return jnp.mean(el.train.mse(eqx.combine(p, static), *batch))
 
+    @jax.jit
+    def update(g, opt_state, params):
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
     for t in range(1, steps + 1):
-        g = jax.grad(loss)(params)
+        g = grad_of(params)
         g = eqx.tree_at(
             lambda p: [x.weight for x in p.layers],
             g,
             [jnp.where(m, x.weight, 0.0) for x, m in zip(g.layers, masks, strict=True)],
         )
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = opt.update(g, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = update(g, opt_state, params)
         if t % period or t > int(0.75 * total):
             continue
         f = fraction / 2 * (1 + jnp.cos(jnp.pi * jnp.float32(t) / int(0.75 * total)))
-        g = jax.grad(loss)(params)
+        g = grad_of(params)
         new_weights, new_masks, changed_all = [], [], []
         for layer, grad, m in zip(params.layers, g.layers, masks, strict=True):
             w, m = np.asarray(layer.weight).reshape(-1), np.asarray(m).reshape(-1)
@@ -233,17 +267,14 @@ def _capacity(model, size):
     return next(x.capacity for _, x in sp.sparse_layers(model) if x.size == size)
 
 
-def test_rigl_step_equals_a_dense_mask_reference(getkey):
-    model = _model(getkey(), slack=0.0)
+def test_rigl_step_equals_a_dense_mask_reference(steps, getkey):
+    model = _model(getkey())
     batch = _data(getkey())
-    steps, period, total, lr = 6, 2, 12, 1e-2
-    step = el.train.make_step(
-        el.train.mse, optax.adam(lr), after_update=sp.rigl(period=period, total_steps=total)
-    )
-    state = step.init(model, key=getkey())
-    for _ in range(steps):
-        state, _ = step(state, batch)
-    reference = _reference_rigl(model, batch, steps, period, 0.3, total, lr)
+    n, period, total, lr = 6, 2, _RIGL_TOTAL, 1e-2  # as steps["rigl"]
+    state = steps["rigl"].init(model, key=getkey())
+    for _ in range(n):
+        state, _ = steps["rigl"](state, batch)
+    reference = _reference_rigl(model, batch, n, period, 0.3, total, lr)
     ours = sp.densify(state.model)
     for a, b in zip(ours.layers, reference.layers, strict=True):
         np.testing.assert_allclose(a.weight, b.weight, rtol=0, atol=1e-6)
@@ -251,25 +282,17 @@ def test_rigl_step_equals_a_dense_mask_reference(getkey):
         np.testing.assert_allclose(a.bias, b.bias, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "optimizer,precision",
-    [
-        (optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.05, momentum=0.9)), None),
-        (optax.adamw(1e-2), "half_bf16"),
-    ],
-)
-def test_optimizer_state_zeroed_for_chains_and_half_state(optimizer, precision, getkey):
+@pytest.mark.parametrize("name", ["set", "set_half"])  # an optax.chain; half-precision AdamW
+def test_optimizer_state_zeroed_for_chains_and_half_state(name, steps, getkey):
     model = _model(getkey())
-    step = el.train.make_step(
-        el.train.mse, optimizer, precision=precision, after_update=sp.set_(period=1)
-    )
+    step, half = steps[name], name == "set_half"
     state = step.init(model, key=getkey())
     batch = _data(getkey())
     for _ in range(3):
         state, _ = step(state, batch)
     moments = _moments(state.opt_state)
-    assert len(moments) == (1 if precision is None else 2)
-    if precision is not None:
+    assert len(moments) == (2 if half else 1)
+    if half:
         assert state.model.layers[0].values.dtype == jnp.bfloat16
         assert state.model.layers[0].indices.dtype == jnp.int16
     _check_invariants(state.model, state.opt_state)
@@ -281,11 +304,9 @@ def test_optimizer_state_zeroed_for_chains_and_half_state(optimizer, precision, 
         assert np.any(live & (v == 0)) and np.all(m[live & (v == 0)] == 0)
 
 
-def test_checkpoint_resume_is_bit_identical(tmp_path, getkey):
+def test_checkpoint_resume_is_bit_identical(tmp_path, steps, getkey):
     model = _model(getkey())
-    step = el.train.make_step(
-        el.train.mse, optax.adam(1e-2), after_update=sp.dsr(period=2, fraction=0.05)
-    )
+    step = steps["dsr"]
     batch = _data(getkey())
     key = getkey()
     straight = step.init(model, key=key)
