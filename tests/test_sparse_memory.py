@@ -127,7 +127,7 @@ def _peak_with_hook_after_the_update(model, hook):
 
 def test_dsr_adds_at_most_half_a_percent_to_the_step_peak_when_run_after_the_update():
     # Compile only, at the benchmark's shapes. DSR's survey and rewiring run one layer at
-    # a time in loops that carry only indices and a mask; its zeroing is in place.
+    # a time in loops that update the slots (indices, values, Adam state) in place.
     dense = _mlp()
     sparse = sp.sparsify(dense, 0.3, key=jr.PRNGKey(1), slack=0.1)
     dense_peak = _peak_with_hook_after_the_update(dense, None)

@@ -2,6 +2,7 @@
 threshold rule, a dense-mask reference, optimizer state, no recompilation, checkpoints."""
 
 import dataclasses
+import re
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -118,6 +119,32 @@ def test_invariants_after_rewiring_in_the_step(name, steps, getkey):
     _check_invariants(state.model, state.opt_state)
     # rewiring never recompiles (the step is shared: its programs are counted from the first)
     assert step._jitted._cache_size() == compiled
+
+
+@pytest.mark.parametrize("name", ["dsr", "set", "rigl"])
+def test_slots_change_only_inside_the_rewiring_loops(name, steps, getkey):
+    # A step that does not rewire must not pay for rewiring: the values and every
+    # optimizer-state entry shadowing them leave the step straight from a rewiring loop
+    # (a while loop of zero or one trip that updates them in place), not from a pass
+    # over every slot outside it, and XLA copies none of them.
+    step = steps[name]
+    state = step.init(_model(getkey()), key=getkey())
+    batch = _data(getkey())
+    traced = step.trace(state, batch)
+    slots = {x.values.shape for _, x in sp.sparse_layers(state.model)}
+    producer = {v: eqn for eqn in traced.jaxpr.jaxpr.eqns for v in eqn.outvars}
+    made_by = [
+        producer[v].primitive.name if v in producer else "the input"
+        for v in traced.jaxpr.jaxpr.outvars
+        if jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.shape in slots
+    ]
+    moments = len(_moments(state.opt_state))
+    assert len(made_by) == (1 + moments) * len(slots), made_by
+    assert set(made_by) == {"while"}, made_by
+    text = traced.lower().compile().as_text()
+    capacities = "|".join(str(s[-1]) for s in slots)
+    copied = re.findall(rf"= b?f(?:16|32)\[(?:\d+,)*(?:{capacities})\]\S* copy\(", text)
+    assert not copied, copied
 
 
 def test_dsr_threshold_rule_on_a_hand_made_set():

@@ -7,7 +7,8 @@ after the other), prunes some occupied slots of the sparse layers and grows as m
 positions into free slots. Shapes and dtypes never change: no host round trip, no
 recompilation. Pruned and grown slots get value 0 and zero
 optimizer state (every optimizer-state subtree shaped like the parameters: optax's `mu`,
-`nu`, `trace`, ..., also inside `eqx_lowmem.precision.half_state` and `optax.chain`).
+`nu`, `trace`, ..., also inside `eqx_lowmem.precision.half_state` and `optax.chain`),
+inside the same loops, in place: a step that does not rewire does no work on the slots.
 """
 
 import dataclasses
@@ -189,15 +190,6 @@ class _Slots:
         return dataclasses.replace(state, model=model, opt_state=opt_state)
 
 
-def _none_like(indices: Array, late: Array) -> Array:
-    """An all-False mask shaped like `indices`, computed once `late` (an array of this
-    step's update) exists: a constant, or one computed from the indices alone, would be
-    materialised at the start of the step and held through the backward pass.
-    (`0 * late` is 0 or NaN, and no index is below either.)"""
-    first = late.reshape(-1)[0].astype(jnp.float32)
-    return indices.astype(jnp.float32) < 0 * first
-
-
 def _when(do: Array, fn: Callable, carry: Any, extra: Any) -> Any:
     """`fn(*carry, *extra)` if `do`, else `carry`: a while loop of zero or one trip, which
     updates `carry` in place and whose body's temporaries exist only while it runs (a
@@ -210,38 +202,38 @@ def _when(do: Array, fn: Callable, carry: Any, extra: Any) -> Any:
     return jax.lax.while_loop(lambda c: c[0], body, (do, carry))[1]
 
 
-def _rewire(
-    state: Any, do: Array, plan: Callable, one: Callable, keys: Array, *, values: bool = True
-) -> Any:
+def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -> Any:
     """Rewire the sparse layers of `state` if `do`, strictly one layer after the other.
 
     `plan(layers, do)` returns, per sparse layer, a small plan with the layer's
     stacked-layer count as leading axis (anything when not `do`), and the layers' new
     threshold exponent (or None to keep it). Then for each layer a loop of zero or one
-    trip (`_when`) runs `one(x, indices, plan, key[, values]) -> (indices, reset)` on every
-    stacked layer (flat `(capacity,)` arrays): its temporaries are that layer's only, and
-    it carries only the layer's indices and a bool mask of the slots that changed. The
-    values and every optimizer-state entry shadowing them are zeroed at those slots
-    outside it, in place (an elementwise pass on every step; a loop or cond carrying the
-    values and optimizer state would make XLA copy them all first).
+    trip (`_when`) runs `one(x, indices, plan, key, values) -> (indices, reset)` on every
+    stacked layer (flat `(capacity,)` arrays) and zeroes the values and every
+    optimizer-state entry shadowing them at the `reset` slots. The loop carries the
+    layer's indices, values and optimizer-state entries and updates them in place (no
+    copy: the hook runs after `make_step`'s finiteness cond, so these are fresh buffers
+    of this step that nothing reads after the loop); its temporaries are that layer's
+    only. A step that does not rewire runs no pass over any slot.
     """
     slots = _Slots(state)
     layers = slots.layers
     counts = [math.prod(x.stack_shape) for x in layers]
     plans, exp = plan(list(layers), do)
     for j, (x, n, k) in enumerate(zip(layers, counts, jr.split(keys, len(layers)), strict=True)):
+        arrays = slots.get(j)
 
-        def rewired(indices, reset, *extra, x=x):
-            del reset
-            return _per_layer(lambda *a: one(x, *a), indices, *extra)
+        def rewired(indices, *rest, x=x, n=n):
+            arrays, (plan_j, keys_j) = rest[:-2], rest[-2:]  # carried, then read only
+            # `one` reads the values as they were before this rewiring zeroes any.
+            v = _flat2(arrays[0], n)
+            indices, reset = _per_layer(lambda *a: one(x, *a), indices, plan_j, keys_j, v)
+            reset = reset.reshape(x.values.shape)
+            return indices, *[jnp.where(reset, jnp.zeros((), a.dtype), a) for a in arrays]
 
-        indices = _flat2(x.indices, n)
-        carry = (indices, _none_like(indices, x.values))
-        extra = (plans[j], jr.split(k, n), *([_flat2(x.values, n)] if values else []))
-        indices, reset = _when(do, rewired, carry, extra)
-        # Unconditional and in place (a cond or loop carrying these would copy them all).
-        reset = reset.reshape(x.values.shape)
-        slots.set(j, [jnp.where(reset, jnp.zeros((), s.dtype), s) for s in slots.get(j)])
+        carry = (_flat2(x.indices, n), *arrays)
+        indices, *arrays = _when(do, rewired, carry, (plans[j], jr.split(k, n)))
+        slots.set(j, arrays)
         fields = {"indices": indices.reshape(x.indices.shape)}
         if exp is not None:
             fields["threshold_exp"] = jnp.broadcast_to(exp, x.threshold_exp.shape)
@@ -318,38 +310,38 @@ def allocate(total: Int[Array, ""], weight: Array, room: Array) -> Array:
     return given
 
 
+def _below(i: Array, v: Array, cut: Array, size: int) -> Array:
+    """The occupied slots whose magnitude is below DSR's threshold `cut`."""
+    return (i < size) & (jnp.abs(v).astype(jnp.float32) < cut)
+
+
 def _dsr_plan(layers: list, do: Array, *, threshold: float, fraction: float, tolerance: float):
     """Mostafa and Wang's global decision, for `_rewire`: the count each layer regrows
-    (freed weights across layers in proportion to survivors) and the adapted threshold.
+    (freed weights across layers in proportion to survivors), the threshold it prunes
+    below, and the adapted threshold.
 
-    Each layer's counts and prune mask come from its own loop of zero or one trip, chained
-    one after the other, so that only one layer's temporaries exist at a time; the layer's
-    rewiring then reads the mask, not the values (a second loop reading the values would
-    make XLA copy them and their optimizer state)."""
+    Each layer's counts come from its own loop of zero or one trip, chained one after the
+    other, so that only one layer's temporaries exist at a time; the layer's rewiring finds
+    the same slots again from the values it carries (`_dsr_one`)."""
     counts = [math.prod(x.stack_shape) for x in layers]
     exp = layers[0].threshold_exp.reshape(-1)[0]
     cut = threshold * jnp.exp2(exp.astype(jnp.float32))
 
-    survivors, removed, prunes = [], [], []
+    survivors, removed = [], []
     chain = jnp.zeros((), jnp.int32)
     for x, n in zip(layers, counts, strict=True):
 
-        def count(kept, pruned, prune, i, v, chain, size=x.size):
-            del kept, pruned, prune, chain
-            live = i < size
-            prune = live & (jnp.abs(v).astype(jnp.float32) < cut)
-            pruned = jnp.sum(prune.astype(jnp.int32), axis=-1)
-            return jnp.sum(live.astype(jnp.int32), axis=-1) - pruned, pruned, prune
+        def count(kept, pruned, i, v, chain, size=x.size):
+            del kept, pruned, chain
+            pruned = jnp.sum(_below(i, v, cut, size).astype(jnp.int32), axis=-1)
+            return jnp.sum((i < size).astype(jnp.int32), axis=-1) - pruned, pruned
 
         zeros = jnp.zeros((n,), jnp.int32)
-        init = (zeros, zeros, _none_like(_flat2(x.indices, n), x.values))
-        kept, pruned, prune = _when(
-            do, count, init, (_flat2(x.indices, n), _flat2(x.values, n), chain)
-        )
+        extra = (_flat2(x.indices, n), _flat2(x.values, n), chain)
+        kept, pruned = _when(do, count, (zeros, zeros), extra)
         chain = pruned[0]
         survivors.append(kept)
         removed.append(pruned)
-        prunes.append(prune)
     survived = jnp.concatenate(survivors)
     total_removed = jnp.sum(jnp.concatenate(removed))
     capacity = jnp.concatenate(
@@ -367,14 +359,15 @@ def _dsr_plan(layers: list, do: Array, *, threshold: float, fraction: float, tol
     )
     new_exp = jnp.where(do, new_exp, exp)
     starts = np.cumsum([0, *counts])
-    grows = [grow[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
-    return list(zip(grows, prunes, strict=True)), new_exp
+    spans = zip(starts[:-1], starts[1:], strict=True)
+    return [(grow[a:b], jnp.broadcast_to(cut, (b - a,))) for a, b in spans], new_exp
 
 
-def _dsr_one(x, i, plan, key, *, fraction: float):
-    """One layer for `_rewire`: prune what `_dsr_plan` found below the global threshold,
-    regrow its share at random free positions."""
-    grow, prune = plan
+def _dsr_one(x, i, plan, key, v, *, fraction: float):
+    """One layer for `_rewire`: prune its slots below the global threshold (those
+    `_dsr_plan` counted), regrow its share at random free positions."""
+    grow, cut = plan
+    prune = _below(i, v, cut, x.size)
     draws = min(x.capacity, max(256, math.ceil(4 * fraction * x.size)))
     ni, taken = _grow_random(_prune(i, prune, x.size), grow, key, size=x.size, draws=draws)
     return ni, prune | taken
@@ -411,9 +404,8 @@ def dsr(
     it pruned (the authors' `within_param` heuristic, not DSR's reallocation).
 
     Memory and time on rewiring steps only, one layer at a time: one dense bool occupancy
-    mask (1 byte per dense weight) and a few int32 arrays of the layer's slots. On every
-    step: one elementwise pass zeroing the changed slots of the values and their
-    optimizer state (a no-op mask on other steps).
+    mask (1 byte per dense weight) and a few int32 arrays of the layer's slots. A step
+    that does not rewire makes no pass over any slot (its loops take zero trips).
 
     Args:
         period: updates between rewirings. Paper and authors' code: 100 (CIFAR WRN).
@@ -461,7 +453,7 @@ def dsr(
             _dsr_plan, threshold=threshold, fraction=fraction, tolerance=tolerance
         )
         one = functools.partial(_dsr_one, fraction=fraction)
-        return _rewire(state, do, plan, one, info.key, values=False)
+        return _rewire(state, do, plan, one, info.key)
 
     return hook
 
@@ -594,8 +586,7 @@ def set_(
     needed). The trailing underscore keeps Python's `set` builtin usable.
 
     Memory and time on rewiring steps only, one layer at a time: a dense bool occupancy
-    mask and a sort of the layer's slots; on every step, the elementwise zeroing pass of
-    `dsr`.
+    mask and a sort of the layer's slots; none on other steps.
 
     Args:
         period: updates between rewirings. Mocanu et al. rewire once per epoch; RigL's
