@@ -3,17 +3,23 @@ each block (or each segment of blocks) recomputed in the backward pass."""
 
 import functools
 import math
-from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from collections.abc import Callable, Hashable
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-from jaxtyping import PRNGKeyArray, PyTree
+from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._layers import prepare_layer
 from ._remat import Remat, RematArg, module_remat_names, remat_policy, resolve_remat
+
+
+class _Batch(NamedTuple):
+    """`Stack.batched`'s mode: the vmap goes inside each layer, with this axis name."""
+
+    axis_name: Hashable | None
 
 
 class Stack(eqx.Module):
@@ -62,6 +68,36 @@ class Stack(eqx.Module):
         Returns:
             The last block's output; for a stateful stack `(output, new_states)`.
         """
+        return self._run(x, state, key, None)
+
+    def batched(
+        self,
+        x: PyTree,
+        state: PyTree = None,
+        *,
+        key: Array | None = None,
+        axis_name: Hashable | None = None,
+    ):
+        """The stack over a batch: equal to `jax.vmap(stack, in_axes=(0, None, 0),
+        out_axes=(0, None), axis_name=axis_name)(x, state, key)`, with the vmap inside
+        the loop and inside each block's recomputed region instead of around the stack.
+
+        Then the innermost transformation a block's layers see is the vmap, so a layer
+        with a batch-level implementation (`eqx_lowmem.nn`'s convolutions on XLA:CPU, the
+        sparse layers) runs it once per batch in the loop body, instead of its per-example
+        form batched after the fact.
+
+        Args:
+            x: the first block's input, batched on axis 0.
+            state: stateful stacks only: every layer's state (not batched; a block's new
+                state must not depend on the example except through `axis_name`
+                collectives, as BatchNorm's batch statistics).
+            key: one PRNG key per example, `(batch, ...)`, or None.
+            axis_name: the vmap's axis name, for the blocks' collectives.
+        """
+        return self._run(x, state, key, _Batch(axis_name))
+
+    def _run(self, x, state, key, batch):
         if self.stateful and state is None:
             raise ValueError(
                 "this Stack is stateful (stack(..., stateful=True)): call it as "
@@ -75,27 +111,38 @@ class Stack(eqx.Module):
         params, static = eqx.partition(self.blocks, eqx.is_array)
         with jax.named_scope(self._scope):
             if self.segment is None:
-                x, state = self._run_blocks(params, static, x, state, key, 0)
+                x, state = self._run_blocks(params, static, x, state, key, 0, batch)
             else:
-                x, state = self._run_segments(params, static, x, state, key)
+                x, state = self._run_segments(params, static, x, state, key, batch)
         return (x, state) if self.stateful else x
 
-    def _layer(self, p, static, h, s, key, i):
+    def _layer(self, p, static, h, s, key, i, batch):
         """One block on its slice of the stacked arrays; `prepare_layer` is the step's seam."""
         p = prepare_layer(self, p)
         block = eqx.combine(p, static)
-        layer_key = None if key is None else jr.fold_in(key, i)
-        if self.stateful:
-            return block(h, s, key=layer_key)
-        return block(h, key=layer_key), None
 
-    def _run_blocks(self, params, static, x, state, key, first):
+        def one(h, s, key):
+            layer_key = None if key is None else jr.fold_in(key, i)
+            if self.stateful:
+                return block(h, s, key=layer_key)
+            return block(h, key=layer_key), None
+
+        if batch is None:
+            return one(h, s, key)
+        return jax.vmap(
+            one,
+            in_axes=(0, None, None if key is None else 0),
+            out_axes=(0, None),
+            axis_name=batch.axis_name,
+        )(h, s, key)
+
+    def _run_blocks(self, params, static, x, state, key, first, batch):
         """The blocks whose stacked arrays are `params`; layer indices start at `first`."""
         count = jax.tree.leaves(params)[0].shape[0]
         policy = remat_policy(self.remat, module_remat_names(static)[1])
 
         def layer(p, h, s, key, i):
-            return self._layer(p, static, h, s, key, i)
+            return self._layer(p, static, h, s, key, i, batch)
 
         if policy is not None:
             # Inside a scan, prevent_cse=False is safe and lets XLA optimise the body.
@@ -118,7 +165,7 @@ class Stack(eqx.Module):
                 state = jax.tree.map(lambda *a: jnp.stack(a), *states)
         return x, state
 
-    def _run_segments(self, params, static, x, state, key):
+    def _run_segments(self, params, static, x, state, key, batch):
         """Chen et al. (2016): keep each segment's input only; recompute a segment at a time."""
         seg = self.segment
         assert seg is not None
@@ -130,7 +177,7 @@ class Stack(eqx.Module):
             prevent_cse=not self.scan,
         )
         def run_segment(p, h, s, first):
-            return self._run_blocks(p, static, h, s, key, first)
+            return self._run_blocks(p, static, h, s, key, first, batch)
 
         def take(tree, start, stop):
             return jax.tree.map(lambda a: a[start:stop], tree)

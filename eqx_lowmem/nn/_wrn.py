@@ -1,8 +1,10 @@
 """Pre-activation wide residual networks (Zagoruyko and Komodakis, 2016), each group's
 identical blocks on a `Stack`, with the recomputation of Sohoni et al. (2019)."""
 
+import functools
 import math
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeAlias
 
 import equinox as eqx
@@ -12,6 +14,7 @@ import jax.random as jr
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from ._conv import conv2d
 from ._norm import BatchNorm, BatchStats
 from ._remat import (
     PRESETS,
@@ -103,10 +106,10 @@ class WideBlock(eqx.Module):
         del key  # no dropout: the paper's and the DSR authors' WRN-28-2 use none
         a, s1 = _bn_relu(self.bn1, x, state["bn1"])
         a = checkpoint_name(a, "act1")
-        h = checkpoint_name(self.conv1(a), "conv1")
+        h = checkpoint_name(conv2d(self.conv1, a), "conv1")
         h, s2 = _bn_relu(self.bn2, h, state["bn2"])
-        h = checkpoint_name(self.conv2(checkpoint_name(h, "act2")), "conv2")
-        skip = x if self.shortcut is None else self.shortcut(a)
+        h = checkpoint_name(conv2d(self.conv2, checkpoint_name(h, "act2")), "conv2")
+        skip = x if self.shortcut is None else conv2d(self.shortcut, a)
         return skip + h, {"bn1": s1, "bn2": s2}
 
 
@@ -259,14 +262,17 @@ class WideResNet(eqx.Module):
         self.remat = remat if segment is not None else block_remat
         self.segment = segment
 
-    def _first(self, block: WideBlock, x: Array, state: BlockState) -> tuple[Array, BlockState]:
+    def _first(
+        self, block: WideBlock, x: Array, state: BlockState, each: Callable
+    ) -> tuple[Array, BlockState]:
         """A group's first block, recomputed on its own when any recomputation is on."""
         remat = "full" if self.segment is not None else self.remat
         assert not isinstance(remat, str) or remat in PRESETS
         policy = remat_policy(remat, WideBlock.remat_presets)  # type: ignore[arg-type]
+        run = lambda b, x, s: each(b)(x, s)  # noqa: E731
         if policy is None:
-            return block(x, state)
-        return eqx.filter_checkpoint(lambda b, x, s: b(x, s), policy=policy)(block, x, state)
+            return run(block, x, state)
+        return eqx.filter_checkpoint(run, policy=policy)(block, x, state)
 
     @jax.named_scope("eqx_lowmem.nn.WideResNet")
     def __call__(
@@ -289,20 +295,39 @@ class WideResNet(eqx.Module):
                 f"got {x.shape}; jax.vmap over the batch (see WideResNet.batched)."
             )
         del key
-        h = self.stem(x)
+        return self._forward(x, state, None)
+
+    def _forward(self, x: Array, state: eqx.nn.State, axis_name: str | None):
+        """One image (`axis_name=None`), or a batch whose vmap sits innermost: around each
+        piece, inside the groups' loops and the recomputed regions (see `batched`)."""
+        if axis_name is None:
+            each = _identity
+        else:
+            each = functools.partial(
+                jax.vmap, axis_name=axis_name, in_axes=(0, None), out_axes=(0, None)
+            )
+        h, _ = each(lambda x, s: (conv2d(self.stem, x), s))(x, None)
         for first, rest, fi, ri in zip(
             self.firsts, self.rests, self.first_index, self.rest_index, strict=True
         ):
-            h, s = self._first(first, h, state.get(fi))
+            h, s = self._first(first, h, state.get(fi), each)
             state = state.set(fi, s)
             if rest is not None:
                 assert ri is not None
-                h, s = rest(h, state.get(ri))
+                if axis_name is None:
+                    h, s = rest(h, state.get(ri))
+                else:
+                    h, s = rest.batched(h, state.get(ri), axis_name=axis_name)
                 state = state.set(ri, s)
-        h, s = _bn_relu(self.bn, h, state.get(self.bn_index))
+        h, s = each(functools.partial(_bn_relu, self.bn))(h, state.get(self.bn_index))
         state = state.set(self.bn_index, s)
-        pooled = jnp.mean(h.astype(jnp.float32), axis=(1, 2)).astype(h.dtype)
-        return self.head(pooled), state
+
+        def head(h, s):
+            pooled = jnp.mean(h.astype(jnp.float32), axis=(1, 2)).astype(h.dtype)
+            return self.head(pooled), s
+
+        logits, _ = each(head)(h, None)
+        return logits, state
 
     @staticmethod
     def keep_dense(path: str, layer: Any) -> bool:
@@ -315,8 +340,26 @@ class WideResNet(eqx.Module):
     def batched(
         self, x: Float[Array, "batch channels height width"], state: eqx.nn.State
     ) -> tuple[Float[Array, "batch n_classes"], eqx.nn.State]:
-        """`self` over a batch, batch statistics over the whole of `x`: a loss calls this."""
-        return jax.vmap(self, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
+        """`self` over a batch, batch statistics over the whole of `x`: a loss calls this.
+
+        The same numbers as `jax.vmap(model, axis_name="batch", in_axes=(0, None),
+        out_axes=(0, None))(x, state)`, with the vmap inside the groups' loops and the
+        recomputed regions, so that each convolution runs once over the batch with a
+        backward pass that XLA:CPU runs fast inside loops (`eqx_lowmem.nn._conv`)."""
+        if x.ndim != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(
+                "WideResNet.batched expects images of shape (batch, in_channels="
+                f"{self.in_channels}, height, width), got {x.shape}."
+            )
+        # A copy, as vmap makes one: the caller's state stays usable (eqx.nn.State marks
+        # the object it sets on as used).
+        leaves, treedef = jax.tree.flatten(state)
+        with jax.named_scope("eqx_lowmem.nn.WideResNet"):
+            return self._forward(x, jax.tree.unflatten(treedef, leaves), "batch")
+
+
+def _identity(fn: Callable) -> Callable:
+    return fn
 
 
 def _with_state(block: WideBlock) -> tuple[WideBlock, BlockState]:

@@ -25,12 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
-try:  # to ask whether a vmap is the innermost transformation (see _batched_on_top)
-    from jax._src.core import find_top_trace as _find_top_trace
-    from jax._src.interpreters.batching import BatchTrace as _BatchTrace
-except ImportError:  # pragma: no cover - other JAX versions: the checkpointed path only
-    _find_top_trace = None
-    _BatchTrace = None
+from ..nn._conv import (
+    Conv,
+    batched_on_top,
+    conv_forward,
+    conv_input_grad,
+    conv_weight_grad,
+    explicit_padding,
+)
 
 _INDEX_DTYPES = (jnp.int8, jnp.int16, jnp.int32)
 
@@ -103,6 +105,8 @@ def _batched_op(op: tuple, weight: Array, x: Array) -> Array:
     if op[0] == "linear":
         return x @ weight.T
     _, stride, padding, dilation, groups = op
+    if groups == 1:  # the layout XLA:CPU runs fast in loops too (eqx_lowmem.nn._conv)
+        return conv_forward(x, weight, _canonical(op, weight, x))
     return jax.lax.conv_general_dilated(
         lhs=x,
         rhs=weight,
@@ -111,6 +115,13 @@ def _batched_op(op: tuple, weight: Array, x: Array) -> Array:
         rhs_dilation=dilation,
         feature_group_count=groups,
     )
+
+
+def _canonical(op: tuple, weight: Array, x: Array) -> Conv:
+    """A convolution op's (stride, explicit padding, dilation) for a batch `x`."""
+    _, stride, padding, dilation, _ = op
+    pads = explicit_padding(padding, x.shape[2:], weight.shape[2:], stride, dilation)
+    return tuple(stride), pads, tuple(dilation)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(0, 1))
@@ -159,12 +170,18 @@ def _batch_vjp(op: tuple, shape: tuple[int, ...]) -> Callable:
     def bwd(res, grad):
         values, indices, x = res
         weight = _scatter(values, indices, shape, _after(jnp.zeros((size,), values.dtype), grad))
-        _, vjp_x = jax.vjp(lambda x: _batched_op(op, weight, x), x)
-        (grad_x,) = vjp_x(grad)
-        # The weight is dead once grad_x exists: build the weight gradient after it.
-        x_late = _after(x, grad_x)
-        _, vjp_w = jax.vjp(lambda w: _batched_op(op, w, x_late), jnp.zeros(shape, values.dtype))
-        (grad_weight,) = vjp_w(grad)
+        # The weight is dead once grad_x exists: the weight gradient is built after it.
+        if op[0] == "conv" and op[4] == 1:  # canonical on XLA:CPU (eqx_lowmem.nn._conv)
+            conv = _canonical(op, weight, x)
+            grad_x = conv_input_grad(grad, weight, x.shape[2:], conv).astype(x.dtype)
+            grad_weight = conv_weight_grad(_after(x, grad_x), grad, shape[2:], conv)
+        else:
+            _, vjp_x = jax.vjp(lambda x: _batched_op(op, weight, x), x)
+            (grad_x,) = vjp_x(grad)
+            x_late = _after(x, grad_x)
+            zeros = jnp.zeros(shape, values.dtype)
+            _, vjp_w = jax.vjp(lambda w: _batched_op(op, w, x_late), zeros)
+            (grad_weight,) = vjp_w(grad)
         grad_values = _gather(grad_weight.reshape(-1), indices)
         return grad_values.astype(values.dtype), None, grad_x
 
@@ -208,27 +225,12 @@ def _leading_one(op, shape, rank, values, indices, x):
 def _dispatch(op, shape, rank, values, indices, x):
     """`x` with leading axes: under a further `vmap` defer to `_vmappable`, else one
     batched call of `_batch_vjp`."""
-    if _batched_on_top((values, indices, x)):
+    if batched_on_top((values, indices, x)):
         return _vmappable(op, shape, rank)(values, indices, x)
     lead = x.shape[: x.ndim - rank]
     flat = x.reshape(-1, *x.shape[x.ndim - rank :])
     out = _batch_vjp(op, shape)(values, indices, flat)
     return out.reshape(*lead, *out.shape[1:])
-
-
-def _batched_on_top(args: tuple) -> bool:
-    """Whether the innermost transformation acting on `args` is a `jax.vmap`.
-
-    Then the layer's vmap rule runs before any differentiation sees it (reverse-mode
-    autodiff cannot go through `custom_vmap` itself). JAX offers no public way to ask;
-    where its internals differ, every call takes the checkpointed per-example path, which
-    is correct everywhere."""
-    if _find_top_trace is None:
-        return False
-    try:
-        return isinstance(_find_top_trace(args), _BatchTrace)
-    except Exception:  # internals changed: the always-correct path
-        return False
 
 
 def _apply(op: tuple, shape: tuple[int, ...], values: Array, indices: Array, x: Array) -> Array:
@@ -239,7 +241,7 @@ def _apply(op: tuple, shape: tuple[int, ...], values: Array, indices: Array, x: 
     once in the forward and once in the backward pass, after the output gradient arrives,
     and the weight gradient is one matmul gathered at the indices. Elsewhere (no vmap,
     `vmap` of `grad`, a `lax.scan` body vmapped later) the checkpointed per-example form."""
-    if _batched_on_top((values, indices, x)):
+    if batched_on_top((values, indices, x)):
         return _vmappable(op, shape, x.ndim)(values, indices, x)
     return _one(op, shape, values, indices, x)
 

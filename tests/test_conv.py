@@ -1,0 +1,191 @@
+"""Batch-level layers inside loops: convolutions in the layout XLA:CPU runs fast everywhere
+(`eqx_lowmem.nn._conv`) and `Stack.batched`, with the numbers of the per-example forms."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import optax
+import pytest
+
+import eqx_lowmem as el
+from eqx_lowmem import sparse as sp
+from eqx_lowmem.nn._conv import conv2d
+
+from .helpers import tree_allclose
+
+CANONICAL = "b01f_01io->b01f"  # NHWC input, HWIO kernel, NHWC output
+
+
+def _conv_labels(compiled_text: str) -> list[str]:
+    return re.findall(r"convolution\(.*dim_labels=(\S+?),", compiled_text)
+
+
+@pytest.mark.parametrize(
+    "c_in, c_out, kernel, stride, padding, dilation, size",
+    [
+        (3, 5, 3, 1, 1, 1, 9),
+        (4, 6, 3, 2, 1, 1, 9),  # WRN's strided first block
+        (4, 6, 1, 2, 0, 1, 8),  # its 1x1 shortcut
+        (2, 3, 3, 1, "SAME", 2, 10),
+        (2, 3, 3, 2, "VALID", 1, 11),
+        (2, 3, 5, 3, ((1, 2), (0, 3)), 1, 12),
+    ],
+)
+def test_conv2d_under_vmap_equals_the_equinox_layer(
+    getkey, c_in, c_out, kernel, stride, padding, dilation, size
+):
+    layer = eqx.nn.Conv2d(
+        c_in, c_out, kernel, stride=stride, padding=padding, dilation=dilation, key=getkey()
+    )
+    x = jr.normal(getkey(), (5, c_in, size, size))
+
+    def loss(layer, x, apply):
+        y = jax.vmap(lambda e: apply(layer, e))(x)
+        return jnp.sum(jnp.sin(y) * jnp.linspace(-1.0, 1.0, y.size).reshape(y.shape))
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
+    expected = grad(layer, x, lambda c, e: c(e))
+    got = grad(layer, x, conv2d)
+    assert tree_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    # One example without vmap: the layer itself.
+    assert tree_allclose(conv2d(layer, x[0]), layer(x[0]), rtol=1e-5, atol=1e-6)
+
+
+def _micro_batched_grad(layers, apply):
+    """The gradient of a two-convolution network, summed over micro-batches by a scan."""
+
+    def loss(layers, x):
+        a, b = layers
+        y = jax.vmap(lambda e: apply(b, jnp.tanh(apply(a, e))))(x)
+        return jnp.sum(jnp.tanh(y))
+
+    def run(layers, xs):
+        params, static = eqx.partition(layers, eqx.is_inexact_array)
+
+        def add(acc, x):
+            grads = jax.grad(lambda p: loss(eqx.combine(p, static), x))(params)
+            return jax.tree.map(jnp.add, acc, grads), None
+
+        return jax.lax.scan(add, jax.tree.map(jnp.zeros_like, params), xs)[0]
+
+    params, static = eqx.partition(layers, eqx.is_inexact_array)
+    return jax.jit(lambda p, xs: run(eqx.combine(p, static), xs)), params
+
+
+def test_convolutions_in_a_scan_stay_canonical(getkey):
+    """XLA:CPU canonicalises convolutions in the entry computation only: in a loop body the
+    forward and both gradients must already be NHWC/HWIO, or they run a generic loop nest
+    (measured: a WRN-10-1 step with 10 micro-batches 15x slower)."""
+    a = eqx.nn.Conv2d(4, 4, 3, padding=1, use_bias=False, key=getkey())
+    b = eqx.nn.Conv2d(4, 6, 3, stride=2, padding=1, use_bias=False, key=getkey())
+    xs = jr.normal(getkey(), (3, 2, 4, 8, 8))
+    ours, params = _micro_batched_grad((a, b), conv2d)
+    plain, _ = _micro_batched_grad((a, b), lambda c, e: c(e))
+    text = ours.lower(params, xs).compile().as_text()
+    labels = _conv_labels(text)
+    # Two forward passes, two weight gradients, one input gradient (the input's is unused).
+    assert len(labels) == 5 and set(labels) == {CANONICAL}, labels
+    assert "reversal" not in text
+    # The check can fail: JAX's own gradients in the same loop are not canonical.
+    assert set(_conv_labels(plain.lower(params, xs).compile().as_text())) != {CANONICAL}
+    assert tree_allclose(ours(params, xs), plain(params, xs), rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_convolution_in_a_scan_is_canonical(getkey):
+    dense = eqx.nn.Conv2d(4, 6, 3, stride=2, padding=1, use_bias=False, key=getkey())
+    layer = sp.SparseConv2d.from_dense(dense, 0.5, key=getkey())
+    other = eqx.nn.Conv2d(4, 4, 1, use_bias=False, key=getkey())
+    xs = jr.normal(getkey(), (3, 2, 4, 8, 8))
+    grad, params = _micro_batched_grad((other, layer), conv2d)
+    labels = _conv_labels(grad.lower(params, xs).compile().as_text())
+    assert labels and set(labels) == {CANONICAL}, labels
+    # Its gradient equals the dense layer's at the same weights, gathered at the indices.
+    as_dense = eqx.tree_at(lambda c: c.weight, dense, layer.weight)
+    dense_grad, dense_params = _micro_batched_grad((other, as_dense), lambda c, e: c(e))
+    expected = dense_grad(dense_params, xs)
+    got = grad(params, xs)
+    assert tree_allclose(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    flat = expected[1].weight.reshape(-1)
+    assert tree_allclose(got[1].values, flat[layer.indices], rtol=1e-5, atol=1e-5)
+
+
+def test_wideresnet_micro_batched_step_has_only_canonical_convolutions(getkey):
+    """The whole combination's step: each convolution sits in the micro-batch scan (and the
+    groups' block scans), yet all of them, forward and backward, are canonical."""
+    model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
+        16, 1, 10, key=getkey(), in_channels=1, remat="checkpoint-residual-1"
+    )
+    model = sp.sparsify(model, 0.5, key=getkey(), exclude=el.nn.WideResNet.keep_dense)
+
+    def loss(model, state, x, y):
+        logits, state = model.batched(x, state)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y), state
+
+    step = el.train.make_step(loss, optax.sgd(0.1), has_state=True, accumulate=2)
+    train_state = step.init(model, key=getkey(), model_state=state)
+    # 16x16: at 2x2 (the last group of 8x8 images) XLA swaps a weight gradient's operands
+    # (its window exceeds its input), a rewrite of its own that only tiny images meet.
+    batch = (jr.normal(getkey(), (4, 1, 16, 16)), jnp.zeros((4,), jnp.int32))
+    labels = _conv_labels(step.lower(train_state, batch).compile().as_text())
+    # WRN-16-1 has 15 convolutions: at least 15 forward, 15 weight and 14 input gradients.
+    assert len(labels) >= 15 + 15 + 14 and set(labels) == {CANONICAL}, sorted(set(labels))
+
+
+class _Residual(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, x, *, key=None):
+        h = jnp.tanh(self.linear(x))
+        if key is not None:
+            h = jnp.where(jr.bernoulli(key, 0.8, h.shape), h / 0.8, 0.0)
+        return x + h
+
+
+class _Normalising(eqx.Module):
+    """A stateful block whose state is a statistic of the batch (a collective), as
+    BatchNorm's."""
+
+    linear: eqx.nn.Linear
+
+    def __call__(self, x, state, *, key=None):
+        mean = jax.lax.pmean(x, "batch")
+        return x + jnp.tanh(self.linear(x - mean)), {"mean": 0.9 * state["mean"] + 0.1 * mean}
+
+
+@pytest.mark.parametrize("remat, segment", [(False, None), (True, None), (True, 2)])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_stack_batched_equals_vmap_of_the_stack(getkey, remat, segment, dropout):
+    net = el.nn.stack(
+        lambda k: _Residual(eqx.nn.Linear(4, 4, key=k)), 5, key=getkey(), remat=remat,
+        segment=segment,
+    )  # fmt: skip
+    x = jr.normal(getkey(), (3, 4))
+    keys = jr.split(getkey(), 3) if dropout else None
+
+    def by_vmap(net, x):
+        return jnp.sum(jnp.sin(jax.vmap(lambda e, k: net(e, key=k))(x, keys)))
+
+    def batched(net, x):
+        return jnp.sum(jnp.sin(net.batched(x, key=keys)))
+
+    expected = eqx.filter_jit(eqx.filter_value_and_grad(by_vmap))(net, x)
+    got = eqx.filter_jit(eqx.filter_value_and_grad(batched))(net, x)
+    assert tree_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("segment", [None, 2])
+def test_stateful_stack_batched_shares_the_batch_statistics(getkey, segment):
+    def make(k):
+        return _Normalising(eqx.nn.Linear(4, 4, key=k)), {"mean": jnp.zeros(4)}
+
+    net, states = el.nn.stack(make, 3, key=getkey(), stateful=True, segment=segment)
+    x = jr.normal(getkey(), (5, 4))
+    vmapped = jax.vmap(net, in_axes=(0, None), out_axes=(0, None), axis_name="batch")
+    expected_y, expected_states = vmapped(x, states)
+    y, new_states = net.batched(x, states, axis_name="batch")
+    assert tree_allclose(y, expected_y, rtol=1e-5, atol=1e-6)
+    assert tree_allclose(new_states, expected_states, rtol=1e-5, atol=1e-6)
+    assert not tree_allclose(new_states, states)  # the statistics moved
