@@ -33,15 +33,16 @@ from _common import RESULTS, write_json  # noqa: E402
 
 _START = time.perf_counter()
 
-# Sized from step times measured on the 2 shared cores (load 5-8, 2026-12-01), WRN-10-1,
-# batch 100: FP32 dense 0.62 s per update, the combination 5.4 s (micro-batches of 10 in a
-# lax.scan, which XLA:CPU runs about 8x slower than the same convolutions unrolled), first
-# calls (compilation) 22 s and 79 s. 2 seeds x 90 updates each: about 21 minutes there.
-# The run itself (load 10-17 by then): 2,636 s of wall time, 718 s of its own CPU time.
+# Sized from step times measured on the 2 shared cores (load about 5, 2026-12-01), WRN-10-1,
+# batch 100, with the convolutions in XLA:CPU's canonical layout (eqx_lowmem.nn._conv; before
+# it, the combination's micro-batch loop took 5.4 s per update): FP32 dense about 0.5 s per
+# update, the combination about 0.35 s. 2 seeds x 600 updates: 1,570 s of wall time at load
+# 4-6 (1,108 s of its own CPU). 900 updates (--train 30000) took 2,211 s there, for a gap of
+# 1.18 points instead of 1.28.
 QUALITY = {
     "depth": 10,
     "width": 1,
-    "train": 3_000,
+    "train": 20_000,
     "test": 10_000,  # the whole test set
     "epochs": 3,
     "seeds": [0, 1],
