@@ -9,6 +9,8 @@ recompilation. Pruned and grown slots get value 0 and zero
 optimizer state (every optimizer-state subtree shaped like the parameters: optax's `mu`,
 `nu`, `trace`, ..., also inside `eqx_lowmem.precision.half_state` and `optax.chain`),
 inside the same loops, in place: a step that does not rewire does no work on the slots.
+After rewiring, each layer's slots are put back in the order of their positions, empty
+ones last (as `sparsify` lays them out), which keeps the layers' scatter and gather fast.
 """
 
 import dataclasses
@@ -130,6 +132,55 @@ def _grow_random(indices, n_grow, key, *, size: int, draws: int):
     return indices, taken
 
 
+_CHUNK = 1 << 14  # slots placed per trip of `_in_order`'s loop
+
+
+def _in_order(indices: Array, arrays: list[Array], size: int) -> tuple[Array, list[Array]]:
+    """One layer's slots moved into the order of their positions, the empty ones last (the
+    layout `sparsify` makes), each of `arrays` (`(capacity,)`, zero at empty slots) moving
+    with its index. Rewiring leaves grown positions in whatever slots were free, and the
+    layer's scatter and gather are fastest walking the dense weight in order (measured on
+    CPU at 1M weights, 346k slots: scatter 0.5 ms in order against 1.4-3.9 ms in random
+    order; left as rewiring leaves them, the benchmark MLP's step after 30 DSR rewirings
+    took 1.49x the dense step's CPU time instead of 1.22x).
+
+    No sort: a slot's new place is the count of occupied positions before its own, from
+    the occupancy as a bit set (one bit per dense weight, 32 to a word; the positions are
+    distinct) and the prefix sum of its words' population counts; then one gather per
+    array. Memory, on rewiring steps only: 1 bit per dense weight and a few int32 arrays
+    of the layer's slots (the step's peak is unchanged at the benchmark's shapes)."""
+    cap = indices.shape[0]
+
+    def word_bit(i):
+        pos = jnp.where(i < size, i, 0).astype(jnp.uint32)
+        return pos // 32, jnp.left_shift(jnp.uint32(1), pos % 32)
+
+    word, bit = word_bit(indices)
+    # distinct positions set distinct bits: adding them is or-ing them
+    bit = jnp.where(indices < size, bit, 0)
+    bits = jnp.zeros((-(-size // 32),), jnp.uint32).at[word].add(bit, mode="drop")
+    counts = jax.lax.population_count(bits).astype(jnp.int32)
+    start = jnp.cumsum(counts) - counts
+
+    # The slot of each rank, a chunk of slots at a time (a whole-layer rank and iota
+    # would be two more int32 arrays of the layer's slots alive at once); a last chunk
+    # that overlaps the one before writes the same entries again.
+    chunk = min(cap, _CHUNK)
+
+    def place(k, slot):
+        first = jnp.minimum(k * chunk, cap - chunk)
+        i = jax.lax.dynamic_slice_in_dim(indices, first, chunk)
+        word, bit = word_bit(i)
+        below = jax.lax.population_count(bits[word] & (bit - 1)).astype(jnp.int32)
+        rank = jnp.where(i < size, start[word] + below, cap)
+        return slot.at[rank].set(first + jnp.arange(chunk, dtype=jnp.int32), mode="drop")
+
+    empty = jnp.full((cap,), cap, jnp.int32)
+    slot = jax.lax.fori_loop(0, -(-cap // chunk), place, empty)
+    moved = [a.at[slot].get(mode="fill", fill_value=0) for a in arrays]
+    return indices.at[slot].get(mode="fill", fill_value=size), moved
+
+
 def _prune(indices, prune, size: int):
     return jnp.where(prune, jnp.asarray(size, indices.dtype), indices)
 
@@ -209,12 +260,13 @@ def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -
     stacked-layer count as leading axis (anything when not `do`), and the layers' new
     threshold exponent (or None to keep it). Then for each layer a loop of zero or one
     trip (`_when`) runs `one(x, indices, plan, key, values) -> (indices, reset)` on every
-    stacked layer (flat `(capacity,)` arrays) and zeroes the values and every
-    optimizer-state entry shadowing them at the `reset` slots. The loop carries the
-    layer's indices, values and optimizer-state entries and updates them in place (no
-    copy: the hook runs after `make_step`'s finiteness cond, so these are fresh buffers
-    of this step that nothing reads after the loop); its temporaries are that layer's
-    only. A step that does not rewire runs no pass over any slot.
+    stacked layer (flat `(capacity,)` arrays), zeroes the values and every
+    optimizer-state entry shadowing them at the `reset` slots, and puts the slots back in
+    the order of their positions (`_in_order`). The loop carries the layer's indices,
+    values and optimizer-state entries and updates them in place: XLA copies none of them
+    into it (the hook runs after `make_step`'s finiteness cond, so these are fresh
+    buffers of this step that nothing reads after the loop); its temporaries are that
+    layer's only. A step that does not rewire runs no pass over any slot.
     """
     slots = _Slots(state)
     layers = slots.layers
@@ -225,11 +277,17 @@ def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -
 
         def rewired(indices, *rest, x=x, n=n):
             arrays, (plan_j, keys_j) = rest[:-2], rest[-2:]  # carried, then read only
-            # `one` reads the values as they were before this rewiring zeroes any.
-            v = _flat2(arrays[0], n)
-            indices, reset = _per_layer(lambda *a: one(x, *a), indices, plan_j, keys_j, v)
-            reset = reset.reshape(x.values.shape)
-            return indices, *[jnp.where(reset, jnp.zeros((), a.dtype), a) for a in arrays]
+            flat = [_flat2(a, n) for a in arrays]
+
+            def layer(i, plan, key, *flat):
+                # `one` reads the values as they were before this rewiring zeroes any.
+                i, reset = one(x, i, plan, key, flat[0])
+                zeroed = [jnp.where(reset, jnp.zeros((), a.dtype), a) for a in flat]
+                i, moved = _in_order(i, zeroed, x.size)
+                return i, *moved
+
+            indices, *flat = _per_layer(layer, indices, plan_j, keys_j, *flat)
+            return indices, *[f.reshape(a.shape) for f, a in zip(flat, arrays, strict=True)]
 
         carry = (_flat2(x.indices, n), *arrays)
         indices, *arrays = _when(do, rewired, carry, (plans[j], jr.split(k, n)))
