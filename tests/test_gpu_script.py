@@ -1,5 +1,5 @@
-"""benchmarks/gpu.py: its smoke mode runs every configuration at tiny sizes in real worker
-processes and writes the JSON a GPU run would; its goal and consistency logic, on made-up
+"""benchmarks/gpu.py: its smoke mode runs every configuration at tiny sizes in a real worker
+process and writes the JSON a GPU run would; its goal and consistency logic, on made-up
 figures."""
 
 import importlib.util
