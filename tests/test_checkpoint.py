@@ -153,6 +153,26 @@ def test_round_trip_is_bit_identical_for_every_leaf_kind(tmp_path):
     assert "['state'].opt_state[0].mu.layers[1].bias" in paths
 
 
+def test_the_first_step_after_a_resume_compiles_nothing(tmp_path):
+    def loss(model, x, y):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2, axis=-1)
+
+    step = el.train.make_step(loss, optax.adam(1e-3))
+    state = step.init(eqx.nn.MLP(3, 2, 8, 1, key=jr.PRNGKey(0)), key=jr.PRNGKey(1))
+    batch = (jnp.ones((4, 3)), jnp.ones((4, 2)))
+    state, _ = step(state, batch)
+    compiled = step._jitted._cache_size()
+    save_checkpoint(tmp_path / CHECKPOINT_NAME, state, {})
+    resumed, _ = load_checkpoint(tmp_path / CHECKPOINT_NAME, state)
+    # jit keys its cache on commitment: the state a step returns is uncommitted, so the
+    # loaded one must be too, or the step would compile again
+    assert not any(x.committed for x in jax.tree.leaves(resumed) if isinstance(x, jax.Array))
+    after, _ = step(resumed, batch)
+    expected, _ = step(state, batch)
+    assert step._jitted._cache_size() == compiled
+    assert eqx.tree_equal(after.model, expected.model)
+
+
 def test_meta_must_be_json_and_leaves_numeric(tmp_path):
     with pytest.raises(TypeError, match="JSON-serialisable"):
         save_checkpoint(tmp_path / "c", {"w": jnp.ones(1)}, {"f": object()})

@@ -344,8 +344,14 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _place(value: np.ndarray, record: dict[str, Any], like: Any) -> Any:
-    """A host array as a leaf like `like`: wrapped as a key, on `like`'s sharding."""
+    """A host array as a leaf like `like`: wrapped as a key, on `like`'s sharding.
+
+    A `like` leaf that is not committed to its device (fresh from `init` or a jitted
+    step) gets an uncommitted array: jit keys its cache on commitment, so a committed
+    copy would make the first step after a resume compile the whole step again."""
     sharding = getattr(like, "sharding", None)
+    if isinstance(like, jax.Array) and not like.committed:
+        sharding = None
     if record["kind"] == "key":
         data = jnp.asarray(value)
         if sharding is not None:
