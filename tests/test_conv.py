@@ -12,6 +12,7 @@ import pytest
 
 import eqx_lowmem as el
 from eqx_lowmem import sparse as sp
+from eqx_lowmem.nn import _conv as conv_module
 from eqx_lowmem.nn._conv import conv2d
 
 from .helpers import tree_allclose
@@ -34,9 +35,12 @@ def _conv_labels(compiled_text: str) -> list[str]:
         (2, 3, 5, 3, ((1, 2), (0, 3)), 1, 12),
     ],
 )
+@pytest.mark.parametrize("contracted", [None, 16])
 def test_conv2d_under_vmap_equals_the_equinox_layer(
-    getkey, c_in, c_out, kernel, stride, padding, dilation, size
+    getkey, monkeypatch, c_in, c_out, kernel, stride, padding, dilation, size, contracted
 ):
+    if contracted is not None:  # the weight gradient summed over chunks of 1-2 examples
+        monkeypatch.setattr(conv_module, "_CPU_CONTRACTED", contracted)
     layer = eqx.nn.Conv2d(
         c_in, c_out, kernel, stride=stride, padding=padding, dilation=dilation, key=getkey()
     )
@@ -52,6 +56,21 @@ def test_conv2d_under_vmap_equals_the_equinox_layer(
     assert tree_allclose(got, expected, rtol=1e-5, atol=1e-6)
     # One example without vmap: the layer itself.
     assert tree_allclose(conv2d(layer, x[0]), layer(x[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_large_batch_weight_gradient_is_a_sum_of_canonical_chunks(getkey, monkeypatch):
+    monkeypatch.setattr(conv_module, "_CPU_CONTRACTED", 3 * 6 * 6)  # 3 examples of 6x6
+    conv = ((1, 1), ((1, 1), (1, 1)), (1, 1))
+    x, g = jr.normal(getkey(), (8, 4, 6, 6)), jr.normal(getkey(), (8, 5, 6, 6))
+    dw = jax.jit(lambda x, g: conv_module.conv_weight_grad(x, g, (3, 3), conv))
+    # JAX's own weight gradient of the same convolution (a vjp in NCHW)
+    _, vjp = jax.vjp(
+        lambda w: jax.lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1))),
+        jnp.zeros((5, 4, 3, 3)),
+    )
+    assert tree_allclose(dw(x, g), vjp(g)[0], rtol=1e-5, atol=1e-5)
+    labels = _conv_labels(dw.lower(x, g).compile().as_text())
+    assert labels == [CANONICAL] * 3  # chunks of 3, 3 and 2 examples
 
 
 def _micro_batched_grad(layers, apply):
