@@ -326,12 +326,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the combined run's precision (default mixed_fp16; mixed_bf16 where XLA:CPU's "
         "FP16 is too slow)",
     )
-    for field in ("train", "test", "epochs", "batch"):
+    for field in ("depth", "width", "train", "test", "epochs", "batch"):
         p.add_argument(f"--{field}", type=int, help=f"override the configuration's {field}")
     p.add_argument("--seeds", type=int, nargs="+", help="override the configuration's seeds")
     args = p.parse_args(argv)
     cfg = dict(QUALITY_QUICK if args.quick else QUALITY)
-    for field in ("train", "test", "epochs", "batch", "seeds"):
+    for field in ("depth", "width", "train", "test", "epochs", "batch", "seeds"):
         if getattr(args, field) is not None:
             cfg[field] = getattr(args, field)
     out = Path(args.out)
