@@ -137,6 +137,21 @@ def test_causal_lm_is_causal(getkey):
     assert not tree_allclose(logits[5:], changed[5:])
 
 
+def test_causal_lm_tied_embeddings_share_the_token_embedding(getkey):
+    init, tokens = getkey(), jr.randint(getkey(), (8,), 0, 11)
+    untied = el.nn.CausalLM(11, 8, 1, 16, 2, 32, key=init)
+    tied = el.nn.CausalLM(11, 8, 1, 16, 2, 32, key=init, tie_embeddings=True)
+    size = lambda m: sum(x.size for x in jax.tree.leaves(eqx.filter(m, eqx.is_array)))  # noqa: E731
+    assert tied.head is None and size(untied) - size(tied) == 11 * (16 + 1)
+    # the same weights otherwise: the tied logits are the final features times embed.T
+    features = untied.ln_f(untied.encoder(untied.embed[tokens] + untied.pos[:8]))
+    assert tree_allclose(tied(tokens), features @ untied.embed.T, rtol=1e-5, atol=1e-6)
+    # a row no token looks up still learns, through the output head
+    unused = jnp.where(tokens == 10, 0, tokens)
+    loss = lambda m: jnp.sum(jax.nn.log_softmax(m(unused))[:, 3])  # noqa: E731
+    assert bool(jnp.all(eqx.filter_grad(loss)(tied).embed[10] != 0))
+
+
 def test_causal_lm_rejects_long_sequence(getkey):
     lm = el.nn.CausalLM(11, 8, 1, 16, 2, 32, key=getkey())
     with pytest.raises(ValueError, match="max_seq=8"):

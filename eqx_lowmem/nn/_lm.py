@@ -14,14 +14,19 @@ from ._remat import RematArg
 
 class CausalLM(eqx.Module):
     """Token and learned position embeddings, a causal `TransformerEncoder`, a final
-    LayerNorm and an untied output head. `__call__` maps one sequence of token ids to logits.
+    LayerNorm and an output head. `__call__` maps one sequence of token ids to logits.
+
+    The head is a `Linear` layer of its own, or with `tie_embeddings=True` the token
+    embedding itself, without a bias (as GPT-2, nanoGPT and fairseq's shared decoder
+    embeddings): `vocab_size * (d_model + 1)` fewer parameters, and with them their
+    gradients and optimizer state.
     """
 
     embed: Array  # (vocab, d_model)
     pos: Array  # (max_seq, d_model)
     encoder: TransformerEncoder
     ln_f: LayerNorm
-    head: eqx.nn.Linear
+    head: eqx.nn.Linear | None  # None: tied to `embed`
     vocab_size: int = eqx.field(static=True)
     max_seq: int = eqx.field(static=True)
 
@@ -41,6 +46,7 @@ class CausalLM(eqx.Module):
         segment: int | Literal["sqrt"] | None = None,
         chunk_size: int | None | Literal["auto"] = "auto",
         attention: str = "auto",
+        tie_embeddings: bool = False,
     ):
         """Args:
         vocab_size: number of token ids.
@@ -48,10 +54,14 @@ class CausalLM(eqx.Module):
         n_layers, d_model, n_heads, d_ff, dropout, remat, scan, segment, chunk_size,
             attention: as `transformer_encoder` (the encoder is always causal).
         key: PRNG key for the initial weights.
+        tie_embeddings: compute the logits with the token embedding (`x @ embed.T`)
+            instead of a separate head.
         """
         for name, value in (("vocab_size", vocab_size), ("max_seq", max_seq)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if not isinstance(tie_embeddings, bool):
+            raise TypeError(f"tie_embeddings must be a bool, got {tie_embeddings!r}.")
         embed_key, pos_key, enc_key, head_key = jr.split(key, 4)
         self.embed = 0.02 * jr.normal(embed_key, (vocab_size, d_model))
         self.pos = 0.02 * jr.normal(pos_key, (max_seq, d_model))
@@ -70,7 +80,7 @@ class CausalLM(eqx.Module):
             attention=attention,
         )
         self.ln_f = LayerNorm(d_model)
-        self.head = eqx.nn.Linear(d_model, vocab_size, key=head_key)
+        self.head = None if tie_embeddings else eqx.nn.Linear(d_model, vocab_size, key=head_key)
         self.vocab_size = vocab_size
         self.max_seq = max_seq
 
@@ -93,6 +103,8 @@ class CausalLM(eqx.Module):
         x = self.embed[tokens] + self.pos[:seq]  # (seq, d_model)
         x = self.encoder(x, key=key)
         x = self.ln_f(x)
+        if self.head is None:
+            return x @ self.embed.T
         logits = x @ self.head.weight.T
         assert self.head.bias is not None
         return logits + self.head.bias[None, :]
