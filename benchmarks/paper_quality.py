@@ -33,18 +33,18 @@ from _common import RESULTS, write_json  # noqa: E402
 
 _START = time.perf_counter()
 
-# Sized from step times measured on the 2 shared cores (load about 5, 2026-12-01), WRN-10-1,
-# batch 100, with the convolutions in XLA:CPU's canonical layout (eqx_lowmem.nn._conv; before
-# it, the combination's micro-batch loop took 5.4 s per update): FP32 dense about 0.5 s per
-# update, the combination about 0.35 s. 2 seeds x 600 updates: 1,570 s of wall time at load
-# 4-6 (1,108 s of its own CPU). 900 updates (--train 30000) took 2,211 s there, for a gap of
-# 1.18 points instead of 1.28.
+# Sized from step times measured on the 2 cores (quiet, 2026-12-01), WRN-10-1, batch 100,
+# with the convolutions in XLA:CPU's canonical layout and the weight gradients of a large
+# batch summed in chunks (eqx_lowmem.nn._conv): FP32 dense about 0.27 s per update, the
+# combination about 0.28 s. 2 seeds x 1,200 updates (the whole training set, 2 epochs):
+# 1,407 s of wall time. Earlier defaults: 20,000 images x 3 epochs (600 updates, a gap of
+# 1.28 points) and 3,000 x 3 (90 updates, 5.42).
 QUALITY = {
     "depth": 10,
     "width": 1,
-    "train": 20_000,
+    "train": 60_000,  # the whole training set
     "test": 10_000,  # the whole test set
-    "epochs": 3,
+    "epochs": 2,
     "seeds": [0, 1],
     "batch": 100,
     "lr": 0.05,
