@@ -77,11 +77,11 @@ WRN_QUICK = {"depth": 10, "width": 1, "batch": 20, "image": (3, 8, 8), "classes"
 # The paper's DynamicConv transformer on IWSLT'14 De-En: 4,000-token batches, 12 layers
 # (encoder and decoder) of width 512, 4 heads, feed-forward 1024, a 10k vocabulary. Ours is
 # a causal LM of the same size: 16 sequences of 250 tokens, micro-batches of one sequence
-# (the paper's 250-token micro-batches), every block checkpointed (remat=True). Not the
-# same: fairseq's IWSLT transformer is an encoder-decoder (6 + 6 layers; its decoder's
-# cross-attention adds 6 x 1.05M parameters) and shares the decoder's input and output
-# embeddings, where this model has 12 self-attention blocks and an untied head (5.1M
-# parameters more; `CausalLM` has no tying option).
+# (the paper's 250-token micro-batches), every block checkpointed (remat=True), its output
+# head tied to the token embedding as fairseq shares the decoder's input and output
+# embeddings (`tie_embeddings=True`; untied, the head adds 5.12M parameters). Not the same:
+# fairseq's IWSLT transformer is an encoder-decoder (6 + 6 layers; its decoder's
+# cross-attention adds 6 x 1.05M parameters), where this model has 12 self-attention blocks.
 TRANSFORMER = {
     "vocab": 10_000,
     "seq": 250,
@@ -90,6 +90,7 @@ TRANSFORMER = {
     "d_model": 512,
     "n_heads": 4,
     "d_ff": 1024,
+    "tie_embeddings": True,
 }
 TRANSFORMER_QUICK = {
     **TRANSFORMER,
@@ -233,6 +234,7 @@ def worker_transformer(spec: dict) -> dict:
         cfg["d_ff"],
         key=jr.PRNGKey(0),
         remat=remat,
+        tie_embeddings=cfg["tie_embeddings"],
     )
     tokens = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"] + 1), jnp.int32)
     t = time.perf_counter()
