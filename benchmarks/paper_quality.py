@@ -315,6 +315,10 @@ def plot_quality(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+# The configuration's fields that the command line may override (and `--seeds`).
+_INT_OVERRIDES = ("depth", "width", "train", "test", "epochs", "batch")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
@@ -326,12 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the combined run's precision (default mixed_fp16; mixed_bf16 where XLA:CPU's "
         "FP16 is too slow)",
     )
-    for field in ("depth", "width", "train", "test", "epochs", "batch"):
+    for field in _INT_OVERRIDES:
         p.add_argument(f"--{field}", type=int, help=f"override the configuration's {field}")
     p.add_argument("--seeds", type=int, nargs="+", help="override the configuration's seeds")
     args = p.parse_args(argv)
     cfg = dict(QUALITY_QUICK if args.quick else QUALITY)
-    for field in ("depth", "width", "train", "test", "epochs", "batch", "seeds"):
+    for field in (*_INT_OVERRIDES, "seeds"):
         if getattr(args, field) is not None:
             cfg[field] = getattr(args, field)
     out = Path(args.out)

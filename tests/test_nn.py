@@ -150,6 +150,8 @@ def test_causal_lm_tied_embeddings_share_the_token_embedding(getkey):
     unused = jnp.where(tokens == 10, 0, tokens)
     loss = lambda m: jnp.sum(jax.nn.log_softmax(m(unused))[:, 3])  # noqa: E731
     assert bool(jnp.all(eqx.filter_grad(loss)(tied).embed[10] != 0))
+    with pytest.raises(TypeError, match="tie_embeddings"):
+        el.nn.CausalLM(11, 8, 1, 16, 2, 32, key=init, tie_embeddings="yes")
 
 
 def test_causal_lm_rejects_long_sequence(getkey):
