@@ -189,19 +189,19 @@ def _eqn_cost(eqn) -> Cost:
     prim = eqn.primitive.name
     params = eqn.params
     if prim == "scan":
-        return jaxpr_cost(params["jaxpr"]).scale(int(params["length"]))
+        return _jaxpr_cost(params["jaxpr"]).scale(int(params["length"]))
     if prim == "while":
-        body = jaxpr_cost(params["body_jaxpr"]) + jaxpr_cost(params["cond_jaxpr"])
+        body = _jaxpr_cost(params["body_jaxpr"]) + _jaxpr_cost(params["cond_jaxpr"])
         return body + Cost(unknown_loops=1)
     if prim == "cond":
-        branches = [jaxpr_cost(b) for b in params["branches"]]
+        branches = [_jaxpr_cost(b) for b in params["branches"]]
         return max(branches, key=lambda c: c.flops)
     inner = list(jex_core.jaxprs_in_params(params))
     if inner:
         # Calls, checkpoints, custom derivatives, shard_map: the cost of what they run.
         total = Cost()
         for sub in inner:
-            total = total + jaxpr_cost(sub)
+            total = total + _jaxpr_cost(sub)
         return total
     if prim == "dot_general":
         (contract, _), _ = params["dimension_numbers"]
@@ -217,6 +217,10 @@ def _eqn_cost(eqn) -> Cost:
         half = flops if _is_16bit(rhs) else 0.0
         return Cost(flops, flops, flops_16bit=half, matmul_flops_16bit=half)
     if prim in _FREE:
+        return Cost()
+    if prim in ("dynamic_slice", "dynamic_update_slice"):
+        # Moves, as `slice` (free here too): reading one layer's slice of a stacked array,
+        # or writing it back in place (a fused accumulator's update, `eqx_lowmem.nn._fuse`).
         return Cost()
     if prim in _REDUCTIONS:
         n = sum(_size(v.aval) for v in eqn.invars)
@@ -234,7 +238,42 @@ def jaxpr_cost(jaxpr: Any) -> Cost:
             of `jax.jit(f).trace(*args)`.
     """
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return _jaxpr_cost(_dce(jaxpr))
+
+
+def _dce(jaxpr: Any) -> Any:
+    """`jaxpr` without the equations no output needs (XLA drops them too): a traced
+    backward pass may compute a primal output it then discards (`jax.vjp` inside a custom
+    backward loop, as fused accumulation's), which would otherwise count as work."""
+    try:
+        from jax._src.interpreters import partial_eval as pe
+    except ImportError:  # pragma: no cover - a JAX without it: count every equation
+        return jaxpr
+    return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+
+
+def _jaxpr_cost(jaxpr: Any) -> Cost:
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     total = Cost()
+    zeros: set[Any] = set()  # variables known to be all zeros (instantiated zero gradients)
     for eqn in jaxpr.eqns:
+        prim = eqn.primitive.name
+        ins = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
+        if prim == "broadcast_in_dim" and _is_zero_literal(eqn.invars[0]):
+            zeros.update(eqn.outvars)
+        elif prim in ("convert_element_type", "mul") and any(v in zeros for v in ins):
+            zeros.update(eqn.outvars)  # a cast or a multiple of zeros: still zeros, free
+            continue
+        elif prim == "add" and any(v in zeros for v in ins):
+            continue  # x + 0: XLA drops it
         total = total + _eqn_cost(eqn)
     return total
+
+
+def _is_zero_literal(v: Any) -> bool:
+    if not isinstance(v, jex_core.Literal):
+        return False
+    try:
+        return bool(np.all(np.asarray(v.val) == 0))
+    except (TypeError, ValueError):
+        return False
