@@ -144,6 +144,9 @@ def _uses(precision, remat, accumulate, density, accumulate_dtype, batch: str) -
         parts.append(f"{density:.0%} density on the blocks' 3x3 convolutions (values + "
                      "int32/int16 indices)")  # fmt: skip
     parts.append(f"gradients and accumulator in {accumulate_dtype}")
+    if accumulate != 1 and remat:
+        parts.append("the recomputed stacks fold each layer's gradient into the accumulator "
+                     "(fuse_accumulation)")  # fmt: skip
     parts.append(batch)
     return "; ".join(parts)
 

@@ -4,6 +4,7 @@ module and checkpoint name that made it."""
 from collections.abc import Callable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,3 +153,37 @@ def group_residuals(
         for (label, name, scope, loops, dtype), rs in groups.items()
     ]
     return tuple(sorted(out, key=lambda g: -g.nbytes))
+
+
+def fused_slots(
+    step: Any, model: Any, batch: tuple, *, model_state: Any = None, key: Any = None
+) -> frozenset[int]:
+    """The positions, among the model's floating leaves, whose micro-batch gradient the
+    step's stacks fold straight into the accumulator (`make_step(fuse_accumulation=True)`,
+    `eqx_lowmem.nn._fuse`): found by tracing one micro-batch's gradient function (shapes
+    only, nothing compiled)."""
+    from ..train._accumulate import FuseRequest, loss_grad
+
+    c = step.config
+    if step.accumulate <= 1 or not c.fuse_accumulation:
+        return frozenset()
+    micro = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct((s.shape[0] // step.granularity, *s.shape[1:]), s.dtype),
+        batch,
+    )
+    n = jax.tree.leaves(micro)[0].shape[0]
+    weights = jax.ShapeDtypeStruct((n,), jnp.float32)
+    arrays, skeleton = eqx.partition(model, lambda x: hasattr(x, "dtype"))
+    found: dict[str, frozenset[int]] = {}
+
+    def trace(arrays, micro, weights, model_state):
+        params, static = eqx.partition(eqx.combine(arrays, skeleton), eqx.is_inexact_array)
+        fn = loss_grad(step.loss_fn, static, step.policy, dtype=step.accumulate_dtype)
+        acc = jax.tree.map(lambda p: jnp.zeros(p.shape, step.accumulate_dtype), params)
+        request = FuseRequest(acc, 1.0 / step.accumulate)
+        out = fn(params, model_state, micro, weights, key, jnp.float32(1), fuse=request)
+        found["slots"] = request.fused
+        return out.total
+
+    jax.eval_shape(trace, arrays, micro, weights, model_state)
+    return found["slots"]

@@ -16,7 +16,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy
 from ..train._step import make_step
-from ._activations import group_residuals, micro_residuals
+from ._activations import fused_slots, group_residuals, micro_residuals
 from ._compile import compile_step, memory_figures
 from ._cost import jaxpr_cost
 from ._inspect import (
@@ -116,13 +116,16 @@ def step_report(
         return out
 
     params = local(state.model, "model")
-    # Each micro-batch's gradient and the accumulator, in the step's accumulate_dtype.
+    # Each micro-batch's gradient and the accumulator, in the step's accumulate_dtype;
+    # the stacks that fold their gradient into the accumulator hold no micro-batch gradient.
     grads = local(eqx.filter(state.model, is_float), "model", step.accumulate_dtype)
+    fused = fused_slots(step, state.model, structs, model_state=state.model_state, key=key)
     opt = local(state.opt_state, "opt_state")
     grad_bytes = sum(b for _, b in grads)
+    fused_bytes = sum(b for n, (_, b) in enumerate(grads) if n in fused)
     sizes = {
         "parameters": sum(b for _, b in params),
-        "gradients": grad_bytes,
+        "gradients": grad_bytes - fused_bytes,
         "accumulator": grad_bytes if step.accumulate > 1 else 0,
         "optimizer": sum(b for _, b in opt),
         "activations": sum(g.nbytes for g in groups),
@@ -134,6 +137,13 @@ def step_report(
     compute = step.policy.compute_dtype
     attention = model_attention(model, compute, backend)
     notes = _notes(backend, twin, sizes, peak, devices, shard, replicated, len(params))
+    if fused_bytes:
+        notes.append(
+            f"Fused accumulation: {len(fused)} arrays of scanned, recomputed stacks "
+            f"({fused_bytes / 2**20:.1f} MiB of gradient) fold each layer's gradient into the "
+            "accumulator in their backward loop, so no micro-batch gradient of them is held "
+            "(make_step(fuse_accumulation=True)); the gradients part counts the rest."
+        )
     if step.accumulate_dtype.itemsize == 2:
         notes.append(
             f"Gradients in {step.accumulate_dtype.name} (accumulate_dtype): each micro-batch's "
@@ -178,6 +188,7 @@ def step_report(
         "name": name,
         "accumulate": step.accumulate,
         "accumulate_dtype": step.accumulate_dtype.name,
+        "fuse_accumulation": bool(step.config.fuse_accumulation and step.accumulate > 1),
         "precision": precision_name(step.policy),
         "compute_dtype": str(jnp.dtype(compute)),
         "remat": remat,
@@ -281,6 +292,7 @@ def memory_report(
     precision: str | Policy | None = None,
     loss_scale: DynamicLossScale | Literal["auto"] | None = "auto",
     accumulate_dtype: Any = jnp.float32,
+    fuse_accumulation: bool = True,
     has_state: bool = False,
     model_state: PyTree = None,
     mesh: Mesh | None = None,
@@ -321,6 +333,8 @@ def memory_report(
         loss_scale: `make_step`'s.
         accumulate_dtype: the dtype of the micro-batch gradients and of their accumulator
             (`make_step`'s): the gradients part (and the accumulator) in its bytes.
+        fuse_accumulation: `make_step`'s: the gradients part leaves out the parameters of
+            the stacks that fold their gradient into the accumulator.
         has_state: the loss takes and returns an `eqx.nn.State` (`make_step`'s).
         model_state: the model's `eqx.nn.State` (or its shapes), with `has_state=True`.
         mesh: report per device of this mesh (on CPU, devices from
@@ -362,6 +376,7 @@ def memory_report(
     options: dict[str, Any] = dict(
         accumulate=accumulate,
         accumulate_dtype=accumulate_dtype,
+        fuse_accumulation=fuse_accumulation,
         loss_scale=loss_scale,
         has_state=has_state,
         mesh=mesh,

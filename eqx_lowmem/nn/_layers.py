@@ -63,3 +63,19 @@ def layer_hook(hook: LayerHook | None) -> Iterator[None]:
         yield
     finally:
         _HOOK.reset(token)
+
+
+def active_hook() -> LayerHook | None:
+    """The hook `prepare_layer` applies now (the composition of every active `layer_hook`)."""
+    return _HOOK.get()
+
+
+@contextlib.contextmanager
+def exact_hook(hook: LayerHook | None) -> Iterator[None]:
+    """Install `hook` as it is, replacing any active one (no nesting): a stack's fused
+    backward loop, traced after the loss returned, re-installs the hook its forward ran with."""
+    token = _HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _HOOK.reset(token)

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from ._layers import prepare_layer
+from ._fuse import active_fusion, fusion_candidate
+from ._layers import active_hook, exact_hook, prepare_layer
 from ._remat import Remat, RematArg, module_remat_names, remat_policy, resolve_remat
 
 
@@ -110,7 +111,10 @@ class Stack(eqx.Module):
             )
         params, static = eqx.partition(self.blocks, eqx.is_array)
         with jax.named_scope(self._scope):
-            if self.segment is None:
+            fused = self._try_fused(params, static, x, state, key, batch)
+            if fused is not None:
+                x, state = fused
+            elif self.segment is None:
                 x, state = self._run_blocks(params, static, x, state, key, 0, batch)
             else:
                 x, state = self._run_segments(params, static, x, state, key, batch)
@@ -165,6 +169,143 @@ class Stack(eqx.Module):
                 state = jax.tree.map(lambda *a: jnp.stack(a), *states)
         return x, state
 
+    def _try_fused(self, params, static, x, state, key, batch):
+        """The stack with the step's accumulator fused into its backward loop
+        (`eqx_lowmem.nn._fuse`), or None where that does not apply: no accumulator offered,
+        a configuration that keeps activations, parameters the step does not differentiate,
+        or a per-example call of a stateful stack (its blocks may use the batch's
+        collectives, which the fused loop could not name)."""
+        fusion = active_fusion()
+        if fusion is None or not fusion_candidate(self):
+            return None
+        leaves = jax.tree.leaves(params)
+        floats = [n for n, a in enumerate(leaves) if jnp.issubdtype(a.dtype, jnp.inexact)]
+        slots = fusion.claim([leaves[n] for n in floats])
+        if slots is None:
+            return None
+        run = functools.partial(self._fused, params, static, floats, fusion, slots)
+        if batch is not None:
+            return run(x, state, key, batch)
+        if self.stateful:
+            return None
+        if not _batch_traced(x):
+            # One example, no vmap: the fused loop over a batch of one.
+            keys = None if key is None else key[None]
+            y, _ = run(jax.tree.map(lambda a: a[None], x), None, keys, _Batch(None))
+            return jax.tree.map(lambda a: a[0], y), None
+        return self._fused_under_vmap(run, params, static, x, key), None
+
+    def _fused_under_vmap(self, run, params, static, x, key):
+        """A per-example call under `jax.vmap`: the fused loop must see the batch (its
+        backward loop adds the batch's gradient into the accumulator once), so a
+        `custom_vmap` rule receives it and runs the loop with the vmap inside each block."""
+        from jax.custom_batching import custom_vmap
+
+        p_leaves, p_def = jax.tree.flatten(params)
+        x_def = jax.tree.structure(x)
+        keys = () if key is None else (key,)
+
+        def plain(p_leaves, x_leaves, keys):
+            # Per example, unfused: what the call computes (its shapes, and the fallback).
+            p = jax.tree.unflatten(p_def, p_leaves)
+            h = jax.tree.unflatten(x_def, x_leaves)
+            k = keys[0] if keys else None
+            y, _ = self._run_blocks(p, static, h, None, k, 0, None)
+            return jax.tree.leaves(y)
+
+        per_example = custom_vmap(plain)
+
+        @per_example.def_vmap
+        def rule(axis_size, in_batched, p_leaves, x_leaves, keys):
+            p_in, x_in, k_in = in_batched
+            if any(p_in):
+                # The parameters themselves vary over this vmap (an ensemble): unfused.
+                axes = ([0 if b else None for b in p_in], [0 if b else None for b in x_in],
+                        tuple(0 if b else None for b in k_in))  # fmt: skip
+                y = jax.vmap(plain, in_axes=axes)(p_leaves, x_leaves, keys)
+                return y, [True] * len(y)
+
+            def batched(a, b):
+                return a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+
+            xb = [batched(a, b) for a, b in zip(x_leaves, x_in, strict=True)]
+            kb = batched(keys[0], k_in[0]) if keys else None
+            y, _ = run(jax.tree.unflatten(x_def, xb), None, kb, _Batch(None))
+            y_leaves = jax.tree.leaves(y)
+            return y_leaves, [True] * len(y_leaves)
+
+        y_leaves = per_example(p_leaves, jax.tree.leaves(x), keys)
+        return jax.tree.unflatten(x_def, y_leaves)
+
+    def _fused(self, params, static, floats, fusion, slots, x, state, key, batch):
+        """Forward: a scan keeping each block's input. Backward: a reverse scan that
+        recomputes one block at a time and folds its parameters' gradient into that layer's
+        slice of the accumulator in place. The accumulator's cotangent is the new one."""
+        leaves, treedef = jax.tree.flatten(params)
+        chosen = set(floats)
+        others = [n for n in range(len(leaves)) if n not in chosen]
+        pf = [leaves[n] for n in floats]
+        po = [leaves[n] for n in others]
+        acc = fusion.accumulators(slots)
+        fold, hook, count = fusion.fold, active_hook(), self.n_layers
+        # The hooks read the stack's static fields only: no array of it enters the loops.
+        shell = eqx.tree_at(lambda s: s.blocks, self, static)
+
+        def layer(pf_i, po_i, h, s, k, i):
+            arrays: list[Any] = [None] * len(leaves)
+            for n, a in zip(floats, pf_i, strict=True):
+                arrays[n] = a
+            for n, a in zip(others, po_i, strict=True):
+                arrays[n] = a
+            with exact_hook(hook):
+                return Stack._layer(shell, treedef.unflatten(arrays), static, h, s, k, i, batch)
+
+        def forward(pf, po, x, state, key, keep):
+            def body(h, xs):
+                pf_i, po_i, s_i, i = xs
+                h2, s2 = layer(pf_i, po_i, h, s_i, key, i)
+                return h2, (s2, h if keep else None)
+
+            return jax.lax.scan(body, x, (pf, po, state, jnp.arange(count)))
+
+        @jax.custom_vjp
+        def run(pf, acc, x, po, state, key):
+            out, (states, _) = forward(pf, po, x, state, key, False)
+            return out, states
+
+        def run_fwd(pf, acc, x, po, state, key):
+            out, (states, inputs) = forward(pf, po, x, state, key, True)
+            return (out, states), (pf, acc, po, state, key, inputs)
+
+        def run_bwd(res, cts):
+            pf, acc, po, state, key, inputs = res
+            ct_out, _ = cts  # the new states are not differentiated
+
+            def body(carry, xs):
+                dh, acc = carry
+                pf_i, po_i, s_i, h_i, i = xs
+                _, vjp, _ = jax.vjp(
+                    lambda p, h: layer(p, po_i, h, s_i, key, i), pf_i, h_i, has_aux=True
+                )
+                g, dh = vjp(dh)
+                acc = [
+                    jax.lax.dynamic_update_index_in_dim(
+                        a, fold(jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gi), i, 0
+                    )
+                    for a, gi in zip(acc, g, strict=True)
+                ]
+                return (dh, acc), None
+
+            (dx, acc), _ = jax.lax.scan(
+                body, (ct_out, acc), (pf, po, state, inputs, jnp.arange(count)), reverse=True
+            )
+            return None, acc, dx, None, None, None
+
+        run.defvjp(run_fwd, run_bwd)
+        out = run(pf, acc, x, po, state, key)
+        fusion.commit(slots)
+        return out
+
     def _run_segments(self, params, static, x, state, key, batch):
         """Chen et al. (2016): keep each segment's input only; recompute a segment at a time."""
         seg = self.segment
@@ -216,6 +357,15 @@ class Stack(eqx.Module):
         if self.stateful:
             state = jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
         return x, state
+
+
+def _batch_traced(x: PyTree) -> bool:
+    """Whether `x` is being traced by `jax.vmap` (a per-example call inside a vmap)."""
+    try:
+        from jax._src.interpreters.batching import BatchTracer
+    except ImportError:  # pragma: no cover - a JAX without it: treat every call as vmapped
+        return True
+    return any(isinstance(a, BatchTracer) for a in jax.tree.leaves(x))
 
 
 def _check_segment(segment: object, n_layers: int) -> int | None:

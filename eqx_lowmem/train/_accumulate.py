@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ..precision._policy import Policy, cast_floating
+from ..nn._fuse import Fusion, fusing
+from ..precision._policy import Policy
 from ._loss import call_loss
 
 
@@ -106,26 +107,73 @@ def loss_grad(
     for; it multiplies by `count` afterwards (in float32) to return the gradient of the sum.
     """
 
-    def fn(params, model_state, batch, weights, key, scale) -> Sums | MeanSums:
-        def objective(params):
+    def fn(params, model_state, batch, weights, key, scale, fuse=None) -> Sums | MeanSums:
+        seen: dict[str, Any] = {}
+
+        def fold(a, g):
+            # One layer's gradient into its accumulator slice: what `accumulate` would add.
+            if _is_16(dtype):
+                return (a.astype(jnp.float32) + g.astype(dtype).astype(jnp.float32)
+                        * fuse.share).astype(dtype)  # fmt: skip
+            return a + g.astype(jnp.float32) * jnp.float32(seen["count"])
+
+        def objective(params, acc):
             model = eqx.combine(params, static)
             if prepare is not None:
                 model = prepare(model)
-            out = call_loss(
-                loss_fn, model, batch, weights, model_state=model_state, key=key, policy=policy
-            )
+            fusion = None if acc is None else Fusion(params, acc, fold)
+            seen["fusion"] = fusion
+            with fusing(fusion):
+                out = call_loss(
+                    loss_fn, model, batch, weights, model_state=model_state, key=key,
+                    policy=policy,
+                )  # fmt: skip
             total = jnp.sum(out.values * out.weights)
-            count = out.values.size
+            count = seen["count"] = out.values.size
             return total * (scale / count), (total, jnp.sum(out.weights), out.model_state, count)
 
-        grads, (total, weight, new_state, count) = jax.grad(objective, has_aux=True)(params)
+        if fuse is None:
+            grads, aux = jax.grad(objective, has_aux=True)(params, None)
+            fused, acc_ct = frozenset(), None
+        else:
+            (grads, acc_ct), aux = jax.grad(objective, argnums=(0, 1), has_aux=True)(
+                params, fuse.acc
+            )
+            fused = frozenset(seen["fusion"].fused)
+            fuse.fused = fused
+        total, weight, new_state, count = aux
+        leaves, treedef = jax.tree.flatten(grads)
+        accs = [None] * len(leaves) if acc_ct is None else jax.tree.leaves(acc_ct)
+        out = []
+        for n, (g, a) in enumerate(zip(leaves, accs, strict=True)):
+            if n in fused:
+                # The new accumulator, from the stack that took it; a use of the same
+                # parameters outside that stack (tied weights) is folded in here.
+                seen.setdefault("count", count)
+                out.append(fold(a, g))
+            elif _is_16(dtype):
+                out.append(g.astype(dtype))
+            else:
+                out.append(g.astype(jnp.float32) * jnp.float32(count))
+        grads = jax.tree.unflatten(treedef, out)
         if _is_16(dtype):
-            grads = cast_floating(grads, dtype)
             return MeanSums(grads, total, weight, new_state, jnp.float32(count))
-        grads = jax.tree.map(lambda g: g * jnp.float32(count), cast_floating(grads, jnp.float32))
         return Sums(grads, total, weight, new_state)
 
+    fn.fusable = True  # type: ignore[attr-defined]
     return fn
+
+
+class FuseRequest:
+    """What `accumulate` offers one micro-batch's gradient function: its accumulator
+    (`acc`, the parameters' structure) and the micro-batch's share of the samples. The
+    function sets `fused`: the positions (in the parameters' leaves) where its returned
+    gradient already is the new accumulator (`eqx_lowmem.nn._fuse`)."""
+
+    def __init__(self, acc: Any, share: float):
+        self.acc = acc
+        self.share = share
+        self.fused: frozenset[int] = frozenset()
 
 
 def _to_sums(m: MeanSums) -> Sums:
@@ -134,14 +182,26 @@ def _to_sums(m: MeanSums) -> Sums:
     return Sums(grads, m.total, m.weight, m.model_state)
 
 
-def _add(a: Sums, b: Sums) -> Sums:
+def _fold_leaves(rule: Callable, acc: Any, part: Any, fused: frozenset[int]) -> Any:
+    """`rule(acc_leaf, part_leaf)` per leaf, except where `part` already holds the new
+    accumulator (positions in `fused`, from a stack that folded its gradient in)."""
+    a_leaves, treedef = jax.tree.flatten(acc)
+    p_leaves = jax.tree.leaves(part)
+    out = [
+        g if n in fused else rule(a, g)
+        for n, (a, g) in enumerate(zip(a_leaves, p_leaves, strict=True))
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _add(a: Sums, b: Sums, fused: frozenset[int] = frozenset()) -> Sums:
     return Sums(
-        jax.tree.map(jnp.add, a.grads, b.grads), a.total + b.total, a.weight + b.weight,
+        _fold_leaves(jnp.add, a.grads, b.grads, fused), a.total + b.total, a.weight + b.weight,
         b.model_state,
     )  # fmt: skip
 
 
-def accumulate(grad_fn: GradFn, k: int, *, dtype: Any = jnp.float32) -> GradFn:
+def accumulate(grad_fn: GradFn, k: int, *, dtype: Any = jnp.float32, fuse: bool = True) -> GradFn:
     """`grad_fn` over `k` micro-batches in a `lax.scan`: the same sums, 1/k of the activations.
 
     Micro-batch `i` is samples `[i * m, (i + 1) * m)` with `m = ceil(n / k)`; a remainder
@@ -159,9 +219,15 @@ def accumulate(grad_fn: GradFn, k: int, *, dtype: Any = jnp.float32) -> GradFn:
     micro-batch gradient and the accumulator in 2 bytes per parameter each (instead of 4);
     one float32 gradient is formed after the last micro-batch, when the activations are
     gone. Returns `Sums` (float32) as the float32 accumulator does.
+
+    `fuse` (for a `loss_grad` function): the accumulator is offered to the model's scanned
+    stacks whose blocks are all recomputed (`remat=True`), which fold each layer's gradient
+    into it inside their backward loop (`eqx_lowmem.nn._fuse`): the same numbers, without a
+    micro-batch gradient of those stacks' parameters beside the accumulator.
     """
+    fuse = bool(fuse) and getattr(grad_fn, "fusable", False)
     if _is_16(dtype):
-        return _accumulate_16(grad_fn, k, jnp.dtype(dtype))
+        return _accumulate_16(grad_fn, k, jnp.dtype(dtype), fuse)
     if k == 1:
         return grad_fn
 
@@ -170,17 +236,29 @@ def accumulate(grad_fn: GradFn, k: int, *, dtype: Any = jnp.float32) -> GradFn:
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         return Sums(zeros, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), model_state)
 
-    return _over_micro_batches(grad_fn, k, init, lambda acc, part, share: _add(acc, part))
+    def add(acc, part, share, fused):
+        return _add(acc, part, fused)
+
+    return _over_micro_batches(grad_fn, k, init, add, fuse)
 
 
 def _over_micro_batches(
     part_fn: Callable[..., Any],
     k: int,
     init: Callable[[Any, Any], Any],
-    add: Callable[[Any, Any, float], Any],
+    add: Callable[[Any, Any, float, frozenset[int]], Any],
+    fuse: bool = False,
 ) -> Callable[..., Any]:
     """`part_fn` over `k` micro-batches in a `lax.scan` (and a smaller last one outside it),
-    folded by `add(acc, part, share)`, `share` being the micro-batch's fraction of samples."""
+    folded by `add(acc, part, share, fused)`, `share` being the micro-batch's fraction of
+    samples; with `fuse`, `part_fn` gets a `FuseRequest` and `fused` is what it set."""
+
+    def part(acc, *args, share):
+        if not fuse:
+            return add(acc, part_fn(*args), share, frozenset())
+        request = FuseRequest(acc.grads, share)
+        out = part_fn(*args, fuse=request)
+        return add(acc, out, share, request.fused)
 
     def fn(params, model_state, batch, weights, key, scale):
         n = weights.shape[0]
@@ -193,25 +271,24 @@ def _over_micro_batches(
 
         def body(carry, xs):
             mb, mw, i = xs
-            part = part_fn(params, carry.model_state, mb, mw, jr.fold_in(key, i), scale)
-            return add(carry, part, m / n), None
+            args = (params, carry.model_state, mb, mw, jr.fold_in(key, i), scale)
+            return part(carry, *args, share=m / n), None
 
         acc, _ = jax.lax.scan(body, init(params, model_state), (split, w_split, jnp.arange(full)))
         if rest:
             batch_rest, w_rest = jax.tree.map(lambda x: x[full * m :], (batch, weights))
-            last = part_fn(params, acc.model_state, batch_rest, w_rest, jr.fold_in(key, full),
-                           scale)  # fmt: skip
-            acc = add(acc, last, rest / n)
+            args = (params, acc.model_state, batch_rest, w_rest, jr.fold_in(key, full), scale)
+            acc = part(acc, *args, share=rest / n)
         return acc
 
     return fn
 
 
-def _accumulate_16(grad_fn: GradFn, k: int, dtype: Any) -> GradFn:
+def _accumulate_16(grad_fn: GradFn, k: int, dtype: Any, fuse: bool = False) -> GradFn:
     """`accumulate` with a 16-bit accumulator (see there)."""
 
-    def micro(params, model_state, batch, weights, key, scale) -> MeanSums:
-        out = grad_fn(params, model_state, batch, weights, key, scale)
+    def micro(params, model_state, batch, weights, key, scale, **fusing) -> MeanSums:
+        out = grad_fn(params, model_state, batch, weights, key, scale, **fusing)
         if not isinstance(out, MeanSums):
             raise TypeError(
                 f"accumulate(..., dtype={dtype.name}) needs the gradient function "
@@ -223,11 +300,11 @@ def _accumulate_16(grad_fn: GradFn, k: int, dtype: Any) -> GradFn:
     if k == 1:
         return lambda *args: _to_sums(micro(*args))
 
-    def add(acc: MeanSums, part: MeanSums, share: float) -> MeanSums:
-        grads = jax.tree.map(
-            lambda a, g: (a.astype(jnp.float32) + g.astype(jnp.float32) * share).astype(dtype),
-            acc.grads, part.grads,
-        )  # fmt: skip
+    def add(acc: MeanSums, part: MeanSums, share: float, fused: frozenset[int]) -> MeanSums:
+        def rule(a, g):
+            return (a.astype(jnp.float32) + g.astype(jnp.float32) * share).astype(dtype)
+
+        grads = _fold_leaves(rule, acc.grads, part.grads, fused)
         return MeanSums(
             grads, acc.total + part.total, acc.weight + part.weight, part.model_state,
             acc.count + part.count,
@@ -238,5 +315,5 @@ def _accumulate_16(grad_fn: GradFn, k: int, dtype: Any) -> GradFn:
         zero = jnp.zeros((), jnp.float32)
         return MeanSums(zeros, zero, zero, model_state, zero)
 
-    fn = _over_micro_batches(micro, k, init, add)
+    fn = _over_micro_batches(micro, k, init, add, fuse)
     return lambda *args: _to_sums(fn(*args))

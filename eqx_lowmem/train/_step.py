@@ -197,6 +197,7 @@ class _Config:
     after_update: Callable[[TrainState, UpdateInfo], TrainState] | None
     jit: bool
     accumulate_dtype: Any = jnp.dtype(jnp.float32)
+    fuse_accumulation: bool = True
 
 
 class Step:
@@ -508,7 +509,7 @@ class Step:
         c = self.config
         dtype = c.accumulate_dtype
         grad_fn = loss_grad(c.loss_fn, static, c.policy, prepare=prepare, dtype=dtype)
-        return accumulate(grad_fn, c.accumulate, dtype=dtype)
+        return accumulate(grad_fn, c.accumulate, dtype=dtype, fuse=c.fuse_accumulation)
 
     def _sums(self, model: Any, model_state, batch, w, key, scale) -> Sums:
         """The summed gradient of the batch w.r.t. the inexact leaves of `model`, over every
@@ -655,6 +656,7 @@ def make_step(
     after_update: Callable[[TrainState, UpdateInfo], TrainState] | None = None,
     jit: bool = True,
     accumulate_dtype: Any = jnp.float32,
+    fuse_accumulation: bool = True,
 ) -> Step:
     """Build a training step: the gradient of a large batch with one micro-batch alive.
 
@@ -726,6 +728,14 @@ def make_step(
             (never larger than the largest of them, so it overflows only where a
             micro-batch's gradient would), each addition rounded once: float16 keeps about
             3 significant digits, bfloat16 about 2. Time: the same.
+        fuse_accumulation: with `accumulate > 1`, a scanned stack whose blocks are all
+            recomputed (`el.nn.stack(..., remat=True)`, `transformer_encoder`, `CausalLM`,
+            `WideResNet`'s groups under `checkpoint-residual-1`) adds each layer's gradient
+            straight into the accumulator in its backward loop, in place: the
+            micro-batch's gradient of those parameters is never held whole beside the
+            accumulator (one gradient-sized buffer less; the same additions, in the same
+            order). Stacks it cannot apply to run as before: those that keep activations
+            or segments, and FSDP's gathered stacks. `False` turns it off.
 
     Optimizer state in host memory (memory kinds) is not offered: XLA:CPU has one memory
     kind, so it could not be tested here, and on a GPU an optimizer update over pinned host
@@ -812,5 +822,6 @@ def make_step(
         after_update=after_update,
         jit=jit,
         accumulate_dtype=accumulate_dtype,
+        fuse_accumulation=bool(fuse_accumulation),
     )
     return Step(config)

@@ -1,0 +1,108 @@
+"""Gradient accumulation fused into the backward pass of scanned stacks.
+
+Under gradient accumulation a training step keeps an accumulator (one gradient's worth of
+memory) and, for each micro-batch, computes that micro-batch's gradient (another) before
+adding it in. A stack of identical blocks run by `lax.scan` gets its parameters' gradient
+from the transposed scan as one stacked array, written layer by layer and added to the
+accumulator after the loop, so both are alive at once. When a step offers its accumulator
+(`fusing`), a stack whose every block is recomputed (`remat="full"`) instead runs its own
+backward loop, which adds each layer's gradient into its slice of the accumulator in place:
+the micro-batch's gradient of the stack never exists as a whole. Same numbers; one
+gradient-sized buffer less (`tests/test_fuse.py` measures it on the compiled step).
+
+The accumulator comes back as the gradient with respect to the accumulator itself (the
+step differentiates the loss with respect to it): a stack that took it returns, as the
+accumulator's cotangent, `fold(accumulator, gradient)` per layer, where `fold` is the
+step's own addition rule.
+
+Trace-time only: which leaves a stack may take is decided by the identity of the
+differentiated parameter arrays that the stack holds, so a stack whose parameters were
+transformed before the loss (FSDP's whole-model gather, a user's own cast) runs as usual.
+"""
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jaxtyping import Array, PyTree
+
+Fold = Callable[[Array, Array], Array]
+
+
+class Fusion:
+    """The accumulator a training step offers to the stacks of one micro-batch's loss.
+
+    Args:
+        params: the differentiated parameters, as the loss sees them (tracers).
+        acc: the accumulator, a pytree of arrays with the structure of `params`.
+        fold: `fold(acc_slice, grad_slice) -> new acc_slice`: the step's addition of one
+            layer's gradient (of the parameters' dtype) into its accumulator slice.
+
+    Attributes:
+        fused: the positions (in `jax.tree.leaves(params)`) whose accumulator a stack has
+            taken: their cotangent with respect to `acc` is the new accumulator.
+    """
+
+    def __init__(self, params: PyTree, acc: PyTree, fold: Fold):
+        p_leaves = jax.tree.leaves(params)
+        a_leaves = jax.tree.leaves(acc)
+        if len(p_leaves) != len(a_leaves):
+            raise ValueError(
+                f"Fusion: the accumulator has {len(a_leaves)} arrays for {len(p_leaves)} "
+                "parameters; it must have the parameters' structure."
+            )
+        self._slot = {id(p): n for n, p in enumerate(p_leaves)}
+        self._shapes = [tuple(p.shape) for p in p_leaves]
+        self._acc = a_leaves
+        self.fold = fold
+        self.fused: set[int] = set()
+
+    def claim(self, leaves: Sequence[Array]) -> list[int] | None:
+        """The accumulator positions of `leaves` (a stack's floating arrays), or None when
+        any of them is not a differentiated parameter, or was taken already."""
+        slots = [self._slot.get(id(x)) for x in leaves]
+        if not slots or any(n is None or n in self.fused for n in slots):
+            return None
+        if len(set(slots)) != len(slots):
+            return None
+        if any(self._shapes[n] != tuple(x.shape) for n, x in zip(slots, leaves, strict=True)):
+            return None
+        return slots  # type: ignore[return-value]
+
+    def accumulators(self, slots: Sequence[int]) -> list[Array]:
+        return [self._acc[n] for n in slots]
+
+    def commit(self, slots: Sequence[int]) -> None:
+        self.fused.update(slots)
+
+
+_FUSION: contextvars.ContextVar[Fusion | None] = contextvars.ContextVar(
+    "eqx_lowmem_fusion", default=None
+)
+
+
+def active_fusion() -> Fusion | None:
+    """The accumulator offered to stacks while tracing this loss, or None."""
+    return _FUSION.get()
+
+
+@contextlib.contextmanager
+def fusing(fusion: Fusion | None) -> Iterator[None]:
+    """Offer `fusion`'s accumulator to the stacks run while tracing the body of the `with`."""
+    token = _FUSION.set(fusion)
+    try:
+        yield
+    finally:
+        _FUSION.reset(token)
+
+
+def fusion_candidate(stack: Any) -> bool:
+    """Whether a stack's configuration allows the fused backward loop (every block
+    recomputed, run by `lax.scan`, no segments)."""
+    return (
+        getattr(stack, "scan", False)
+        and getattr(stack, "remat", None) == "full"
+        and getattr(stack, "segment", 0) is None
+    )
