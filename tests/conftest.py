@@ -59,6 +59,7 @@ SLOWEST_FIRST = (
     "test_readme.py",
     "test_wrn.py",
     "test_fsdp.py",
+    "test_fuse.py",
     "test_gpu_script.py",
     "test_sparse_rewire.py",
     "test_examples.py",
