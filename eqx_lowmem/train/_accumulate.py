@@ -149,7 +149,6 @@ def loss_grad(
             if n in fused:
                 # The new accumulator, from the stack that took it; a use of the same
                 # parameters outside that stack (tied weights) is folded in here.
-                seen.setdefault("count", count)
                 out.append(fold(a, g))
             elif _is_16(dtype):
                 out.append(g.astype(dtype))
