@@ -80,8 +80,10 @@ def test_fusion_drops_the_stacks_micro_batch_gradient_from_the_compiled_peak():
     assert temps[False] - temps[True] >= 0.7 * stack_bytes, (temps, stack_bytes)
 
 
-def test_the_report_counts_no_micro_batch_gradient_for_a_fused_stack():
-    blocks = el.nn.stack(lambda k: Residual(key=k), 4, key=jr.PRNGKey(0), remat=True)
+@pytest.mark.parametrize("remat, segment", [(True, None), (False, 2)])
+def test_the_report_counts_no_micro_batch_gradient_for_a_fused_stack(remat, segment):
+    blocks = el.nn.stack(lambda k: Residual(key=k), 4, key=jr.PRNGKey(0), remat=remat,
+                         segment=segment)  # fmt: skip
     x = jnp.zeros((8, 16))
     stack_bytes = sum(a.nbytes for a in _floats(blocks))
     report = el.memory.memory_report(blocks, el.train.mse, optax.sgd(0.1), (x, x), accumulate=4)
@@ -100,6 +102,17 @@ def test_a_stack_that_keeps_activations_is_not_fused_and_trains_the_same():
     plain, _ = _train(blocks, el.train.mse, (x, x), fuse=False, accumulate=4)
     assert fused_slots(step, blocks, (x, x)) == frozenset()
     _assert_same(fused.model, plain.model)
+
+
+@pytest.mark.parametrize("segment", [2, 3, 8])  # 2 + 2 + 1 blocks; 3 + 2; one short
+def test_segments_are_fused_and_train_the_same(segment):
+    blocks = el.nn.stack(lambda k: Residual(key=k), 5, key=jr.PRNGKey(0), segment=segment)
+    x = jr.normal(jr.PRNGKey(1), (8, 16))
+    fused, step = _train(blocks, el.train.mse, (x, x), fuse=True, accumulate=4)
+    plain, _ = _train(blocks, el.train.mse, (x, x), fuse=False, accumulate=4)
+    assert len(fused_slots(step, blocks, (x, x))) == 2  # weight and bias
+    _assert_same(fused.model, plain.model)
+    _assert_same(fused.opt_state, plain.opt_state)
 
 
 def _tied_loss(model, x, y):
@@ -144,12 +157,15 @@ def test_a_remainder_micro_batch_is_fused_too():
     _assert_same(fused.model, plain.model)
 
 
-def test_a_sparse_wide_resnet_with_batchnorm_trains_the_same():
+# WRN-16-1: each group's stack is one block; WRN-22-1's two blocks are one segment.
+@pytest.mark.parametrize("depth, remat", [(16, "checkpoint-residual-1"),
+                                          (22, "checkpoint-residual-2")])  # fmt: skip
+def test_a_sparse_wide_resnet_with_batchnorm_trains_the_same(depth, remat):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from paper_quality import wrn_loss
 
     model, bn = eqx.nn.make_with_state(el.nn.WideResNet)(
-        16, 1, 10, key=jr.PRNGKey(0), in_channels=1, remat="checkpoint-residual-1"
+        depth, 1, 10, key=jr.PRNGKey(0), in_channels=1, remat=remat
     )
     model = el.sparse.sparsify(model, 0.3, key=jr.PRNGKey(3), slack=0.1,
                                exclude=el.nn.WideResNet.keep_dense)  # fmt: skip

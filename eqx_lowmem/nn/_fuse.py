@@ -5,8 +5,9 @@ memory) and, for each micro-batch, computes that micro-batch's gradient (another
 adding it in. A stack of identical blocks run by `lax.scan` gets its parameters' gradient
 from the transposed scan as one stacked array, written layer by layer and added to the
 accumulator after the loop, so both are alive at once. When a step offers its accumulator
-(`fusing`), a stack whose every block is recomputed (`remat="full"`) instead runs its own
-backward loop, which adds each layer's gradient into its slice of the accumulator in place:
+(`fusing`), a stack whose every block is recomputed (`remat="full"`), or every segment of
+blocks (`segment=k`), instead runs its own backward loop, which recomputes one block (or
+segment) at a time and adds its gradient into its slice of the accumulator in place:
 the micro-batch's gradient of the stack never exists as a whole. Same numbers; one
 gradient-sized buffer less (`tests/test_fuse.py` measures it on the compiled step).
 
@@ -99,10 +100,9 @@ def fusing(fusion: Fusion | None) -> Iterator[None]:
 
 
 def fusion_candidate(stack: Any) -> bool:
-    """Whether a stack's configuration allows the fused backward loop (every block
-    recomputed, run by `lax.scan`, no segments)."""
-    return (
-        getattr(stack, "scan", False)
-        and getattr(stack, "remat", None) == "full"
-        and getattr(stack, "segment", 0) is None
-    )
+    """Whether a stack's configuration allows the fused backward loop: run by `lax.scan`,
+    and either every block recomputed or segments (each recomputed as a unit). A stack
+    that keeps its blocks' activations does not: its fused loop would recompute them."""
+    if not getattr(stack, "scan", False):
+        return False
+    return getattr(stack, "segment", None) is not None or getattr(stack, "remat", None) == "full"

@@ -238,9 +238,11 @@ class Stack(eqx.Module):
         return jax.tree.unflatten(x_def, y_leaves)
 
     def _fused(self, params, static, floats, fusion, slots, x, state, key, batch):
-        """Forward: a scan keeping each block's input. Backward: a reverse scan that
-        recomputes one block at a time and folds its parameters' gradient into that layer's
-        slice of the accumulator in place. The accumulator's cotangent is the new one."""
+        """Forward: a scan keeping each unit's input, a unit being one block (`segment`
+        None) or one segment of `segment` blocks (a shorter last one after the loop).
+        Backward: a reverse scan that recomputes one unit at a time and folds its
+        parameters' gradient into that unit's slice of the accumulator in place. The
+        accumulator's cotangent is the new one."""
         leaves, treedef = jax.tree.flatten(params)
         chosen = set(floats)
         others = [n for n in range(len(leaves)) if n not in chosen]
@@ -248,56 +250,97 @@ class Stack(eqx.Module):
         po = [leaves[n] for n in others]
         acc = fusion.accumulators(slots)
         fold, hook, count = fusion.fold, active_hook(), self.n_layers
+        seg = None if self.segment is None else min(self.segment, count)  # one at most
         # The hooks read the stack's static fields only: no array of it enters the loops.
         shell = eqx.tree_at(lambda s: s.blocks, self, static)
+        size = 1 if seg is None else seg
+        n_full, rest = divmod(count, size)
+        start = n_full * size  # of the shorter last segment
 
-        def layer(pf_i, po_i, h, s, k, i):
+        def unit(pf_u, po_u, h, s, k, first):
             arrays: list[Any] = [None] * len(leaves)
-            for n, a in zip(floats, pf_i, strict=True):
+            for n, a in zip(floats, pf_u, strict=True):
                 arrays[n] = a
-            for n, a in zip(others, po_i, strict=True):
+            for n, a in zip(others, po_u, strict=True):
                 arrays[n] = a
+            p = treedef.unflatten(arrays)
             with exact_hook(hook):
-                return Stack._layer(shell, treedef.unflatten(arrays), static, h, s, k, i, batch)
+                if seg is None:
+                    return Stack._layer(shell, p, static, h, s, k, first, batch)
+                return Stack._run_blocks(shell, p, static, h, s, k, first, batch)
+
+        def split(tree):
+            """The equal units' arrays, `(n_full, segment, ...)` (one block each: as is)."""
+            if seg is None:
+                return tree
+            return jax.tree.map(lambda a: a[:start].reshape(n_full, seg, *a.shape[1:]), tree)
+
+        def tail(tree):
+            return jax.tree.map(lambda a: a[start:], tree)
+
+        firsts = jnp.arange(n_full) * size
 
         def forward(pf, po, x, state, key, keep):
             def body(h, xs):
-                pf_i, po_i, s_i, i = xs
-                h2, s2 = layer(pf_i, po_i, h, s_i, key, i)
+                pf_u, po_u, s_u, first = xs
+                h2, s2 = unit(pf_u, po_u, h, s_u, key, first)
                 return h2, (s2, h if keep else None)
 
-            return jax.lax.scan(body, x, (pf, po, state, jnp.arange(count)))
+            h, (states, inputs) = jax.lax.scan(
+                body, x, (split(pf), split(po), split(state), firsts)
+            )
+            if seg is not None:
+                states = jax.tree.map(lambda a: a.reshape(start, *a.shape[2:]), states)
+            last = h if keep and rest else None
+            if rest:
+                h, s_t = unit(tail(pf), tail(po), h, tail(state), key, start)
+                states = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), states, s_t)
+            return h, states, (inputs, last)
 
         @jax.custom_vjp
         def run(pf, acc, x, po, state, key):
-            out, (states, _) = forward(pf, po, x, state, key, False)
+            out, states, _ = forward(pf, po, x, state, key, False)
             return out, states
 
         def run_fwd(pf, acc, x, po, state, key):
-            out, (states, inputs) = forward(pf, po, x, state, key, True)
+            out, states, inputs = forward(pf, po, x, state, key, True)
             return (out, states), (pf, acc, po, state, key, inputs)
 
+        def fold_at(acc, g, first):
+            def one(a, gi):
+                if seg is None:
+                    old = jax.lax.dynamic_index_in_dim(a, first, keepdims=False)
+                    return jax.lax.dynamic_update_index_in_dim(a, fold(old, gi), first, 0)
+                old = jax.lax.dynamic_slice_in_dim(a, first, gi.shape[0])
+                return jax.lax.dynamic_update_slice_in_dim(a, fold(old, gi), first, 0)
+
+            return [one(a, gi) for a, gi in zip(acc, g, strict=True)]
+
+        def unit_vjp(pf_u, po_u, s_u, h_u, first, dh):
+            _, vjp, _ = jax.vjp(
+                lambda p, h: unit(p, po_u, h, s_u, key, first), pf_u, h_u, has_aux=True
+            )
+            return vjp(dh)
+
         def run_bwd(res, cts):
-            pf, acc, po, state, key, inputs = res
-            ct_out, _ = cts  # the new states are not differentiated
+            pf, acc, po, state, key_, (inputs, last) = res
+            del key_  # the same key, closed over by `unit_vjp`
+            dh, _ = cts  # the new states are not differentiated
+            if rest:
+                g, dh = unit_vjp(tail(pf), tail(po), tail(state), last, start, dh)
+                acc = fold_at(acc, g, start)
 
             def body(carry, xs):
                 dh, acc = carry
-                pf_i, po_i, s_i, h_i, i = xs
-                _, vjp, _ = jax.vjp(
-                    lambda p, h: layer(p, po_i, h, s_i, key, i), pf_i, h_i, has_aux=True
-                )
-                g, dh = vjp(dh)
-                acc = [
-                    jax.lax.dynamic_update_index_in_dim(
-                        a, fold(jax.lax.dynamic_index_in_dim(a, i, keepdims=False), gi), i, 0
-                    )
-                    for a, gi in zip(acc, g, strict=True)
-                ]
-                return (dh, acc), None
+                pf_u, po_u, s_u, h_u, first = xs
+                g, dh = unit_vjp(pf_u, po_u, s_u, h_u, first, dh)
+                return (dh, fold_at(acc, g, first)), None
 
             (dx, acc), _ = jax.lax.scan(
-                body, (ct_out, acc), (pf, po, state, inputs, jnp.arange(count)), reverse=True
+                body,
+                (dh, acc),
+                (split(pf), split(po), split(state), inputs, firsts),
+                reverse=True,
             )
             return None, acc, dx, None, None, None
 

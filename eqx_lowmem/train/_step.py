@@ -730,12 +730,13 @@ def make_step(
             3 significant digits, bfloat16 about 2. Time: the same.
         fuse_accumulation: with `accumulate > 1`, a scanned stack whose blocks are all
             recomputed (`el.nn.stack(..., remat=True)`, `transformer_encoder`, `CausalLM`,
-            `WideResNet`'s groups under `checkpoint-residual-1`) adds each layer's gradient
-            straight into the accumulator in its backward loop, in place: the
-            micro-batch's gradient of those parameters is never held whole beside the
-            accumulator (one gradient-sized buffer less; the same additions, in the same
-            order). Stacks it cannot apply to run as before: those that keep activations
-            or segments, and FSDP's gathered stacks. `False` turns it off.
+            `WideResNet`'s groups under `checkpoint-residual-k`), or recomputed a segment
+            at a time (`stack(..., segment=k)`), adds each layer's gradient straight into
+            the accumulator in its backward loop, in place: the micro-batch's gradient of
+            those parameters is never held whole beside the accumulator (one
+            gradient-sized buffer less; the same additions, in the same order). Stacks it
+            cannot apply to run as before: those that keep activations, and FSDP's
+            gathered stacks. `False` turns it off.
 
     Optimizer state in host memory (memory kinds) is not offered: XLA:CPU has one memory
     kind, so it could not be tested here, and on a GPU an optimizer update over pinned host
