@@ -54,7 +54,12 @@ def main() -> None:
     )
     # Only the blocks' 3x3 convolutions become sparse; DSR moves weights between them.
     model = el.sparse.sparsify(
-        model, args.density, key=jr.fold_in(key, 1), slack=0.1, exclude=el.nn.WideResNet.keep_dense
+        model,
+        args.density,
+        key=jr.fold_in(key, 1),
+        slack=0.1,
+        exclude=el.nn.WideResNet.keep_dense,
+        storage="bits",  # where the non-zeros are: one bit per dense weight
     )
     steps = args.epochs * (args.train // args.batch)
     # DSR's schedule doubles the period at 20%, 40% and 60% of the steps and stops at 80%:

@@ -1,5 +1,7 @@
 """Sparse layers and the conversions: values-only parameters that equal the dense layer."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -107,6 +109,66 @@ def test_slack_and_index_dtypes(getkey):
     assert sp.index_dtype(127) == jnp.int8 and sp.index_dtype(128) == jnp.int16
     assert sp.index_dtype(32767) == jnp.int16 and sp.index_dtype(32768) == jnp.int32
     assert sp.stats(sparse).index_bytes == 96 * 2 + 48 * 1 + 2 * 4
+
+
+def _same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_bit_set_storage_gives_the_same_layer(kind):
+    key = jr.PRNGKey(0)
+    if kind == "linear":
+        dense, x = eqx.nn.Linear(40, 24, key=key), jr.normal(jr.PRNGKey(1), (5, 40))
+        cls, capacity = sp.SparseLinear, 300
+    else:
+        dense, x = eqx.nn.Conv2d(4, 8, 3, padding=1, key=key), jr.normal(key, (5, 4, 7, 7))
+        cls, capacity = sp.SparseConv2d, 100
+    kept = cls.from_dense(dense, 0.3, key=jr.PRNGKey(2), capacity=capacity)
+    bits = cls.from_dense(dense, 0.3, key=jr.PRNGKey(2), capacity=capacity, storage="bits")
+    # one bit per dense weight, against one int16 per slot; the same slots and values
+    size = kept.size
+    assert bits.indices.dtype == jnp.uint8 and bits.indices.shape == (-(-size // 8),)
+    assert kept.indices.dtype == jnp.int16 and kept.indices.shape == (capacity,)
+    np.testing.assert_array_equal(bits.positions(), kept.indices)
+    assert int(bits.nnz()) == int(kept.nnz()) == round(0.3 * size)
+    _same(bits.values, kept.values)
+    _same(bits.weight, kept.weight)
+
+    def loss(layer, x):
+        return jnp.sum(jnp.sin(jax.vmap(layer)(x)))
+
+    for fn in (loss, lambda layer, x: loss(layer, x[:1])):  # batched; one example
+        (v1, g1), (v2, g2) = (eqx.filter_value_and_grad(fn)(m, x) for m in (bits, kept))
+        _same(v1, v2)
+        _same(g1.values, g2.values)
+        assert np.all(np.asarray(g1.values)[int(bits.nnz()) :] == 0)  # empty slots
+    assert cls.from_dense(dense, 0.3, key=key, storage="auto").indices.dtype == jnp.uint8
+    small = cls.from_dense(dense, 0.02, key=key, storage="auto")  # 1 slot per 50 weights
+    assert small.indices.dtype == jnp.int16
+
+
+def test_bit_set_storage_of_stacked_layers_and_its_bytes(getkey):
+    enc = el.nn.transformer_encoder(3, 16, 2, 32, key=getkey(), remat=True)
+    key = getkey()
+    kept = sp.sparsify(enc, 0.3, key=key, slack=0.1)
+    bits = sp.sparsify(enc, 0.3, key=key, slack=0.1, storage="bits")
+    qkv = bits.blocks.qkv
+    assert qkv.indices.shape == (3, qkv.size // 8) and qkv.positions().shape == (3, qkv.capacity)
+    for (_, a), (_, b) in zip(sp.sparse_layers(kept), sp.sparse_layers(bits), strict=True):
+        np.testing.assert_array_equal(a.indices, b.positions())
+    x = jr.normal(getkey(), (2, 5, 16))
+    _same(jax.vmap(bits)(x), jax.vmap(kept)(x))
+    _same(sp.densify(bits), sp.densify(kept))
+    # int16 indices: 2 bytes a slot; bits: 1/8 byte a dense weight (and the threshold words)
+    s_kept, s_bits = sp.stats(kept), sp.stats(bits)
+    assert s_kept.index_bytes == 2 * s_kept.capacity + 4 * s_kept.layers
+    assert s_bits.index_bytes == s_bits.size // 8 + 4 * s_bits.layers
+    with pytest.raises(ValueError, match=r"storage='bitset'; expected one of"):
+        sp.sparsify(enc, 0.3, key=key, storage="bitset")
+    with pytest.raises(ValueError, match=r"must have shape \(3, 96\).*got \(3, 95\)"):
+        dataclasses.replace(qkv, indices=qkv.indices[:, 1:])
 
 
 def test_stacked_layers_of_the_encoder(getkey):

@@ -20,12 +20,12 @@ def _state_bytes(state):
     return sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves if hasattr(x, "dtype"))
 
 
-def _shapes(make, density=None):
+def _shapes(make, density=None, storage="indices"):
     model = eqx.filter_eval_shape(make)
     if density is None:
         return model
     return eqx.filter_eval_shape(
-        lambda m: sp.sparsify(m, density, key=jr.PRNGKey(1), slack=0.1), model
+        lambda m: sp.sparsify(m, density, key=jr.PRNGKey(1), slack=0.1, storage=storage), model
     )
 
 
@@ -52,6 +52,23 @@ def test_mlp_at_30_percent_stores_and_peaks_less():
     # every allocated slot counted: 10% slack, 16 bytes per slot against 12 per weight
     assert state <= 0.45 * dense_state, state / dense_state
     assert peak <= 0.6 * dense_peak, peak / dense_peak
+
+
+def test_a_bit_set_stores_one_bit_per_weight_and_its_positions_are_never_held():
+    kept, bits = _shapes(_mlp, 0.3), _shapes(_mlp, 0.3, storage="bits")
+    state_kept, peak_kept = _step_memory(kept, _BATCH, el.train.cross_entropy)
+    state_bits, peak_bits = _step_memory(bits, _BATCH, el.train.cross_entropy)
+    # int32 indices (the 1024 x 1024 layers) or int16 give way to ceil(size / 8) bytes
+    saved = sum(
+        x.capacity * jnp.dtype(x.indices.dtype).itemsize - -(-x.size // 8)
+        for (_, x) in sp.sparse_layers(kept)
+    )
+    assert saved > 3.5 * 2**20 and state_bits == state_kept - saved
+    # The positions are walked a chunk at a time where a layer runs, never held for the
+    # layer (let alone the model): the peak grows by less than one dense float32 weight
+    # of the largest layer (measured: 0.2 MiB lower, 27.9 against 28.1 MiB, with the
+    # test flags; the state is 3.6 MiB smaller).
+    assert peak_bits - peak_kept < 4 * 1024 * 1024, (peak_bits - peak_kept) / 2**20
 
 
 def test_encoder_parameters_and_adam_at_30_percent():

@@ -99,6 +99,36 @@ def steps():
     }
 
 
+@pytest.mark.parametrize("name", ["dsr", "rigl"])
+def test_a_bit_set_storage_rewires_exactly_as_indices(name, steps, getkey):
+    # The same model stored both ways: after rewiring steps, the same slots, values and
+    # optimizer state, bit for bit; the bit set stays one (one bit per dense weight).
+    key, batch = getkey(), _data(getkey())
+    out = {}
+    for storage in ("indices", "bits"):
+        state = steps[name].init(_model_like(key, storage), key=jr.fold_in(key, 2))
+        for _ in range(6):
+            state, metrics = steps[name](state, batch)
+            assert bool(metrics["finite"])
+        out[storage] = state
+    kept, bits = (sp.sparse_layers(out[s].model) for s in ("indices", "bits"))
+    for (_, a), (_, b) in zip(kept, bits, strict=True):
+        assert b.indices.dtype == jnp.uint8 and b.indices.shape == (-(-b.size // 8),)
+        np.testing.assert_array_equal(np.asarray(a.indices, np.int32), b.positions())
+    assert any(  # rewiring moved slots
+        not np.array_equal(np.asarray(b.positions()), np.asarray(m.indices))
+        for (_, b), (_, m) in zip(bits, sp.sparse_layers(_model_like(key)), strict=True)
+    )
+    floats = [eqx.filter(out[s], eqx.is_inexact_array) for s in ("indices", "bits")]
+    for a, b in zip(*map(jax.tree.leaves, floats), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _model_like(key, storage="indices"):
+    net = el.nn.mlp([8, 24, 24, 3], key=jr.fold_in(key, 0), activation=jnp.tanh)
+    return sp.sparsify(net, 0.3, key=jr.fold_in(key, 1), slack=0.2, storage=storage)
+
+
 @pytest.mark.parametrize("name", ["dsr", "set", "rigl"])
 def test_invariants_after_rewiring_in_the_step(name, steps, getkey):
     step = steps[name]

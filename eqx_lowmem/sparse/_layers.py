@@ -7,6 +7,17 @@ count) is empty: it is dropped when the dense weight is rebuilt, so its value ge
 gradient and, with a zero optimizer state, stays zero. Shapes never change, so rewiring under
 `jax.jit` never recompiles.
 
+Two ways to store where the slots are (`storage=` of `sparsify` and `from_dense`):
+
+- `"indices"`: one signed integer per slot (`index_dtype`: 1, 2 or 4 bytes);
+- `"bits"`: a bit set, one bit per dense weight (`uint8`, 8 to a byte, little-endian), with
+  the slots in the order of their positions and the empty ones last (the order `sparsify`
+  and rewiring keep). At density `d` that is `1 / d` bits per slot: 3.3 at 30%, against 16
+  or 32 for indices; indices are smaller below a density of 1/16 (int16) or 1/32 (int32).
+  The positions are derived from the bits where the layer runs (a prefix count over the
+  dense weight's bits: one more pass over `size` elements in the forward and in the
+  backward pass), never stored.
+
 The forward pass rebuilds the dense weight (a scatter of the values into zeros, empty slots dropped)
 inside a `jax.checkpoint` region together with the matmul or convolution that uses it: the
 backward pass keeps only the values, indices and input, rebuilds the dense weight once more,
@@ -62,6 +73,79 @@ def index_dtype(size: int) -> Any:
     )
 
 
+def is_bitset(indices: Any) -> bool:
+    """Whether a sparse layer's `indices` array is a bit set (`storage="bits"`, uint8)."""
+    return jnp.dtype(indices.dtype) == jnp.uint8
+
+
+def bitset_bytes(size: int) -> int:
+    """Bytes of one layer's bit set: one bit per dense weight, rounded up to a byte."""
+    return -(-size // 8)
+
+
+def bits_of(positions: Array, size: int) -> Array:
+    """One layer's bit set `(ceil(size / 8),)` uint8 from its slots' flat positions
+    `(capacity,)` (empty slots, at `size`, set no bit)."""
+    mask = jnp.zeros((size,), jnp.uint8).at[positions.astype(jnp.int32)].set(1, mode="drop")
+    return jnp.packbits(mask, bitorder="little")
+
+
+_CHUNK = 1 << 13  # slots per trip of `_walk`'s loop
+
+
+def _walk(bits: Array, size: int, capacity: int, fn: Callable, carry: Any) -> Any:
+    """`carry = fn(carry, first, positions)` over one layer's slots, a chunk at a time:
+    `positions` (int32) of slots `first, first + 1, ...` (`size` for an empty slot).
+
+    Slot `j` is the `j`-th set bit: its 32-bit word is found by a binary search over the
+    words' running population counts, its bit by a binary search within the word (five
+    population counts). The temporaries are one int32 per word and a few per slot of a
+    chunk: never one per dense weight (a prefix sum over the unpacked bits would be 4
+    bytes per weight), nor one per slot of the layer (the int32 indices the bit set
+    replaces). A last chunk that overlaps the one before visits its slots again, so `fn`
+    must be idempotent per slot (a set, not an add)."""
+    pad = -bits.shape[0] % 4
+    b = jnp.pad(bits, (0, pad)).reshape(-1, 4).astype(jnp.uint32)
+    words = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)  # little-endian
+    counts = jax.lax.population_count(words).astype(jnp.int32)
+    ends = jnp.cumsum(counts)
+    last = words.shape[0] - 1
+    chunk = min(capacity, _CHUNK)
+
+    def slots(first):
+        j = first + jnp.arange(chunk, dtype=jnp.int32)
+        w = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)  # the word of bit j
+        inside = w <= last
+        w = jnp.minimum(w, last)
+        word, k = words[w], j - (ends[w] - counts[w])  # slot j: the k-th set bit of word
+        bit = jnp.zeros_like(j)  # the largest bit with at most k set bits below it
+        for step in (16, 8, 4, 2, 1):
+            mid = bit + step
+            mask = (jnp.uint32(1) << mid.astype(jnp.uint32)) - 1
+            below = jax.lax.population_count(word & mask).astype(jnp.int32)
+            bit = jnp.where(below <= k, mid, bit)
+        return jnp.where(inside, w * 32 + bit, size).astype(jnp.int32)
+
+    if chunk == capacity:
+        return fn(carry, 0, slots(0))
+
+    def body(c, carry):
+        first = jnp.minimum(c * chunk, capacity - chunk)
+        return fn(carry, first, slots(first))
+
+    return jax.lax.fori_loop(0, -(-capacity // chunk), body, carry)
+
+
+def positions_of(bits: Array, size: int, capacity: int) -> Array:
+    """One layer's slot positions `(capacity,)` int32 from its bit set: the set bits in
+    increasing order, then `size` for each empty slot."""
+
+    def put(out, first, positions):
+        return jax.lax.dynamic_update_slice(out, positions, (first,))
+
+    return _walk(bits, size, capacity, put, jnp.zeros((capacity,), jnp.int32))
+
+
 # One flat position per slot. `lax.scatter` / `lax.gather` directly: `.at[]` would first
 # normalise negative indices (a select over every slot, which ours never need) and cast
 # to int32; measured on CPU at 1M weights and 346k slots, scatter 1.5 -> 1.1 ms, gather
@@ -82,12 +166,28 @@ def _scatter(
     flat `indices` (empty slots, at index `size`, dropped)."""
     size = math.prod(shape)
     flat = jnp.zeros((size,), values.dtype) if base is None else base
-    flat = jax.lax.scatter(flat, indices[:, None], values, _SCATTER, mode=_DROP)
+    if is_bitset(indices):  # a chunk of slots at a time, no positions array of the layer
+
+        def put(flat, first, positions):
+            chunk = jax.lax.dynamic_slice_in_dim(values, first, positions.shape[0])
+            return jax.lax.scatter(flat, positions[:, None], chunk, _SCATTER, mode=_DROP)
+
+        flat = _walk(indices, size, values.shape[0], put, flat)
+    else:
+        flat = jax.lax.scatter(flat, indices[:, None], values, _SCATTER, mode=_DROP)
     return flat.reshape(shape)
 
 
-def _gather(flat: Array, indices: Array) -> Array:
+def _gather(flat: Array, indices: Array, capacity: int) -> Array:
     """`flat` at each slot's position; 0 for an empty slot (index `size`)."""
+    if is_bitset(indices):
+
+        def put(out, first, positions):
+            got = jax.lax.gather(flat, positions[:, None], _GATHER, (1,), mode=_DROP,
+                                 fill_value=0)  # fmt: skip
+            return jax.lax.dynamic_update_slice(out, got, (first,))
+
+        return _walk(indices, flat.shape[0], capacity, put, jnp.zeros((capacity,), flat.dtype))
     return jax.lax.gather(flat, indices[:, None], _GATHER, (1,), mode=_DROP, fill_value=0)
 
 
@@ -129,7 +229,7 @@ def _one(op: tuple, shape: tuple[int, ...], values: Array, indices: Array, x: Ar
     """One example, checkpointed: the dense weight is rebuilt in the backward pass, not
     saved. Autodiff batches this well where a batch axis is added later (a `lax.scan` body
     that is then vmapped), as one matmul for the weight gradient."""
-    return _batched_op(op, _scatter(values, indices, shape), x[None])[0]
+    return _batched_op(op, _scatter(values, _late(indices, x), shape), x[None])[0]
 
 
 def _after(x: Array, dep: Array) -> Array:
@@ -149,6 +249,14 @@ def _after(x: Array, dep: Array) -> Array:
     return x + (first * 0).astype(x.dtype)
 
 
+def _late(indices: Array, dep: Array) -> Array:
+    """A bit set whose positions are derived only once `dep` exists (`_after`): derived
+    from the parameters alone, XLA would hoist the derivation out of the step's
+    micro-batch loop and keep every layer's int32 positions alive through it. Indices
+    pass unchanged."""
+    return _after(indices, dep) if is_bitset(indices) else indices
+
+
 @functools.cache
 def _batch_vjp(op: tuple, shape: tuple[int, ...]) -> Callable:
     """The layer over a batch `(n, *example)` with a hand-written backward pass that
@@ -158,7 +266,7 @@ def _batch_vjp(op: tuple, shape: tuple[int, ...]) -> Callable:
 
     def forward(values, indices, x):
         base = _after(jnp.zeros((size,), values.dtype), x)
-        return _batched_op(op, _scatter(values, indices, shape, base), x)
+        return _batched_op(op, _scatter(values, _late(indices, x), shape, base), x)
 
     @jax.custom_vjp
     def f(values, indices, x):
@@ -169,6 +277,7 @@ def _batch_vjp(op: tuple, shape: tuple[int, ...]) -> Callable:
 
     def bwd(res, grad):
         values, indices, x = res
+        indices = _late(indices, grad)  # a bit set: walked again, after the gradient
         weight = _scatter(values, indices, shape, _after(jnp.zeros((size,), values.dtype), grad))
         # The weight is dead once grad_x exists: the weight gradient is built after it.
         if op[0] == "conv" and op[4] == 1:  # canonical on XLA:CPU (eqx_lowmem.nn._conv)
@@ -182,7 +291,7 @@ def _batch_vjp(op: tuple, shape: tuple[int, ...]) -> Callable:
             zeros = jnp.zeros(shape, values.dtype)
             _, vjp_w = jax.vjp(lambda w: _batched_op(op, w, x_late), zeros)
             (grad_weight,) = vjp_w(grad)
-        grad_values = _gather(grad_weight.reshape(-1), indices)
+        grad_values = _gather(grad_weight.reshape(-1), indices, values.shape[-1])
         return grad_values.astype(values.dtype), None, grad_x
 
     f.defvjp(fwd, bwd)
@@ -254,6 +363,15 @@ def _check_slots(layer: Any) -> None:
         raise TypeError(f"{type(layer).__name__}.values must be floating, got {values.dtype}.")
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise TypeError(f"{type(layer).__name__}.indices must be integers, got {indices.dtype}.")
+    if is_bitset(indices):
+        expected = (*values.shape[:-1], bitset_bytes(layer.size))
+        if values.ndim < 1 or tuple(indices.shape) != expected:
+            raise ValueError(
+                f"{type(layer).__name__}: a bit set (uint8 indices) for values "
+                f"{values.shape} must have shape {expected} (one bit per dense weight), "
+                f"got {indices.shape}."
+            )
+        return
     if values.shape != indices.shape or values.ndim < 1:
         raise ValueError(
             f"{type(layer).__name__}: values {values.shape} and indices {indices.shape} must "
@@ -295,7 +413,21 @@ class _Sparse(eqx.Module):
 
     def nnz(self) -> Array:
         """The count of occupied slots, per layer (shape `stack_shape`)."""
-        return jnp.sum(self.indices < self.size, axis=-1)  # pyright: ignore
+        indices = self.indices  # pyright: ignore[reportAttributeAccessIssue]
+        if is_bitset(indices):
+            return jnp.sum(jax.lax.population_count(indices).astype(jnp.int32), axis=-1)
+        return jnp.sum(indices < self.size, axis=-1)
+
+    def positions(self) -> Array:
+        """Every slot's flat position (stacked axes first), `size` for an empty slot, for
+        either storage (a bit set's are derived: int32)."""
+        indices = self.indices  # pyright: ignore[reportAttributeAccessIssue]
+        if not is_bitset(indices):
+            return indices
+        fn = functools.partial(positions_of, size=self.size, capacity=self.capacity)
+        for _ in range(indices.ndim - 1):
+            fn = jax.vmap(fn)
+        return fn(indices)
 
     def _check_one(self) -> None:
         if self.stack_shape:
@@ -315,13 +447,16 @@ class SparseLinear(_Sparse):
     hooks change them).
 
     Memory per slot: the value (4 or 2 bytes), the optimizer's state for it (Adam: 8 bytes in
-    float32) and the index (1, 2 or 4 bytes, `index_dtype`), against 12 bytes per dense
-    weight with Adam. Time: one scatter of the values per forward and one more in the
-    backward pass (cheap next to the matmul), and one gather of the weight gradient.
+    float32) and the index (1, 2 or 4 bytes, `index_dtype`; or, as a bit set, one bit per
+    dense weight), against 12 bytes per dense weight with Adam. Time: one scatter of the
+    values per forward and one more in the backward pass (cheap next to the matmul), and
+    one gather of the weight gradient.
 
     Attributes:
         values: `(..., capacity)` weights; empty slots hold 0.
-        indices: `(..., capacity)` flat positions; an empty slot holds `size`.
+        indices: `(..., capacity)` flat positions, an empty slot holding `size`; or, with
+            `storage="bits"`, a bit set `(..., ceil(size / 8))` uint8 (slots in the order
+            of their positions, empty ones last; `positions()` derives them).
         bias: `(..., out_features)` dense bias, or None.
         threshold_exp: `(...)` int32, DSR's pruning threshold as `initial * 2**threshold_exp`
             (Mostafa and Wang double or halve it); 4 bytes a layer, unused by SET and RigL.
@@ -353,6 +488,7 @@ class SparseLinear(_Sparse):
         *,
         key: PRNGKeyArray,
         capacity: int | None = None,
+        storage: str = "indices",
     ) -> "SparseLinear":
         """Keep `round(density * size)` weights of `linear` at random positions.
 
@@ -362,6 +498,8 @@ class SparseLinear(_Sparse):
             key: picks the positions (each stacked layer its own).
             capacity: slots per layer, at least the count kept (default: that count);
                 extra slots start empty, for rewiring that moves weights between layers.
+            storage: where the slots are: `"indices"` (one integer per slot), `"bits"`
+                (one bit per dense weight) or `"auto"` (the smaller of the two).
 
         Raises:
             ValueError: for a density outside (0, 1] or a capacity below the count kept.
@@ -375,7 +513,7 @@ class SparseLinear(_Sparse):
         """
         from ._convert import from_dense  # the one conversion, shared with sparsify
 
-        return from_dense(linear, density, key=key, capacity=capacity)
+        return from_dense(linear, density, key=key, capacity=capacity, storage=storage)
 
     @jax.named_scope("eqx_lowmem.sparse.SparseLinear")
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
@@ -459,6 +597,7 @@ class SparseConv2d(_Sparse):
         *,
         key: PRNGKeyArray,
         capacity: int | None = None,
+        storage: str = "indices",
     ) -> "SparseConv2d":
         """Keep `round(density * size)` kernel weights of `conv` at random positions
         (arguments as `SparseLinear.from_dense`).
@@ -472,7 +611,7 @@ class SparseConv2d(_Sparse):
         """
         from ._convert import from_dense
 
-        return from_dense(conv, density, key=key, capacity=capacity)
+        return from_dense(conv, density, key=key, capacity=capacity, storage=storage)
 
     @jax.named_scope("eqx_lowmem.sparse.SparseConv2d")
     def __call__(

@@ -27,7 +27,7 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from ._convert import densify
-from ._layers import is_sparse
+from ._layers import bits_of, is_bitset, is_sparse, positions_of
 
 Hook = Callable[[Any, Any], Any]
 _DECAYS = ("constant", "cosine")
@@ -49,6 +49,22 @@ def _sparse_of(model: Any) -> tuple[list, Any, list[int]]:
 
 def _flat2(x: Array, n: int) -> Array:
     return x.reshape(n, x.shape[-1])
+
+
+def _positions(layer: Any, stored: Array) -> Array:
+    """One layer's slot positions `(capacity,)` from its stored `indices` row (a bit set's
+    derived, inside the rewiring loops: on rewiring steps only)."""
+    if is_bitset(stored):
+        return positions_of(stored, layer.size, layer.capacity)
+    return stored
+
+
+def _store(layer: Any, positions: Array, like: Array) -> Array:
+    """One layer's stored `indices` row for slot `positions` in the order of their
+    positions (what `_in_order` leaves): a bit set again, or the positions."""
+    if is_bitset(like):
+        return bits_of(positions, layer.size)
+    return positions.astype(like.dtype)
 
 
 def _per_layer(fn: Callable, *args: Any) -> Any:
@@ -279,12 +295,12 @@ def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -
             arrays, (plan_j, keys_j) = rest[:-2], rest[-2:]  # carried, then read only
             flat = [_flat2(a, n) for a in arrays]
 
-            def layer(i, plan, key, *flat):
+            def layer(stored, plan, key, *flat):
                 # `one` reads the values as they were before this rewiring zeroes any.
-                i, reset = one(x, i, plan, key, flat[0])
+                i, reset = one(x, _positions(x, stored), plan, key, flat[0])
                 zeroed = [jnp.where(reset, jnp.zeros((), a.dtype), a) for a in flat]
                 i, moved = _in_order(i, zeroed, x.size)
-                return i, *moved
+                return _store(x, i, stored), *moved
 
             indices, *flat = _per_layer(layer, indices, plan_j, keys_j, *flat)
             return indices, *[f.reshape(a.shape) for f, a in zip(flat, arrays, strict=True)]
@@ -389,8 +405,9 @@ def _dsr_plan(layers: list, do: Array, *, threshold: float, fraction: float, tol
     chain = jnp.zeros((), jnp.int32)
     for x, n in zip(layers, counts, strict=True):
 
-        def count(kept, pruned, i, v, chain, size=x.size):
+        def count(kept, pruned, i, v, chain, size=x.size, x=x):
             del kept, pruned, chain
+            i = jax.vmap(functools.partial(_positions, x))(i)
             pruned = jnp.sum(_below(i, v, cut, size).astype(jnp.int32), axis=-1)
             return jnp.sum((i < size).astype(jnp.int32), axis=-1) - pruned, pruned
 
@@ -587,6 +604,7 @@ def _swap_hook(
                 n, k_max = math.prod(x.stack_shape), k_max_of(x)
 
                 def best(i, v, s, x=x, k_max=k_max):
+                    i = _positions(x, i)
                     _, prune = _swap_prune(i, v, f, size=x.size, k_max=k_max)
                     pi = _prune(i, prune, x.size)
                     return _candidates_best(pi, jnp.abs(s), size=x.size, k_max=k_max)
