@@ -140,7 +140,8 @@ def test_bit_set_storage_gives_the_same_layer(kind):
         return jnp.sum(jnp.sin(jax.vmap(layer)(x)))
 
     for fn in (loss, lambda layer, x: loss(layer, x[:1])):  # batched; one example
-        (v1, g1), (v2, g2) = (eqx.filter_value_and_grad(fn)(m, x) for m in (bits, kept))
+        grad = eqx.filter_jit(eqx.filter_value_and_grad(fn))
+        (v1, g1), (v2, g2) = (grad(m, x) for m in (bits, kept))
         _same(v1, v2)
         _same(g1.values, g2.values)
         assert np.all(np.asarray(g1.values)[int(bits.nnz()) :] == 0)  # empty slots
@@ -159,8 +160,10 @@ def test_bit_set_storage_of_stacked_layers_and_its_bytes(getkey):
     for (_, a), (_, b) in zip(sp.sparse_layers(kept), sp.sparse_layers(bits), strict=True):
         np.testing.assert_array_equal(a.indices, b.positions())
     x = jr.normal(getkey(), (2, 5, 16))
-    _same(jax.vmap(bits)(x), jax.vmap(kept)(x))
-    _same(sp.densify(bits), sp.densify(kept))
+    run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    _same(run(bits, x), run(kept, x))
+    densify = eqx.filter_jit(sp.densify)
+    _same(densify(bits), densify(kept))
     # int16 indices: 2 bytes a slot; bits: 1/8 byte a dense weight (and the threshold words)
     s_kept, s_bits = sp.stats(kept), sp.stats(bits)
     assert s_kept.index_bytes == 2 * s_kept.capacity + 4 * s_kept.layers
