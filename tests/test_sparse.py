@@ -150,6 +150,22 @@ def test_bit_set_storage_gives_the_same_layer(kind):
     assert small.indices.dtype == jnp.int16
 
 
+def test_a_bit_set_with_more_bits_than_slots_keeps_the_first_ones():
+    # Built by hand: all 32 positions set, 5 slots. The first 5 positions take the slots;
+    # the rest are zero and get no gradient (they write nowhere, not out of bounds).
+    dense = eqx.nn.Linear(8, 4, use_bias=False, key=jr.PRNGKey(0))
+    layer = sp.SparseLinear.from_dense(dense, 5 / 32, key=jr.PRNGKey(1), storage="bits")
+    values = jnp.arange(1.0, 6.0)
+    layer = dataclasses.replace(layer, values=values, indices=jnp.full((4,), 255, jnp.uint8))
+    np.testing.assert_array_equal(layer.positions(), np.arange(5))
+    expected = np.zeros(32, np.float32)
+    expected[:5] = values
+    np.testing.assert_array_equal(layer.weight.reshape(-1), expected)
+    x = jr.normal(jr.PRNGKey(2), (3, 8))
+    grad = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x)))(layer)
+    np.testing.assert_allclose(grad.values, np.sum(x, axis=0)[:5], rtol=1e-6)
+
+
 def test_bit_set_storage_of_stacked_layers_and_its_bytes(getkey):
     enc = el.nn.transformer_encoder(3, 16, 2, 32, key=getkey(), remat=True)
     key = getkey()
