@@ -1,12 +1,14 @@
-"""Sparse layers with DSR rewiring under FSDP: values, integer indices and optimizer state
-sharded over 4 host devices train exactly as on one device. A real subprocess with host
-devices, as `tests/test_fsdp.py`."""
+"""Sparse layers with DSR rewiring under FSDP: values, integer indices (or bit sets) and
+optimizer state sharded over 4 host devices train exactly as on one device. A real
+subprocess with host devices, as `tests/test_fsdp.py`."""
 
 import json
 import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 BODY = textwrap.dedent(
     """
@@ -20,7 +22,7 @@ BODY = textwrap.dedent(
 
     jax.config.update("jax_numpy_dtype_promotion", "strict")
     dense = el.nn.mlp([16, 40, 40, 4], key=jr.PRNGKey(0), activation=jnp.tanh)
-    model = sp.sparsify(dense, 0.3, key=jr.PRNGKey(1), slack=0.25)
+    model = sp.sparsify(dense, 0.3, key=jr.PRNGKey(1), slack=0.25, storage=STORAGE)
     x = jr.normal(jr.PRNGKey(2), (32, 16))
     y = jr.normal(jr.PRNGKey(3), (32, 4))
 
@@ -42,7 +44,7 @@ BODY = textwrap.dedent(
     out = {
         "devices": jax.device_count(),
         "specs": specs,
-        "capacities": [l.capacity for l in layers],
+        "capacities": [l.indices.shape[-1] for l in layers],
         "dtypes": [[str(a.dtype), str(b.dtype)] for a, b in zip(one, four)],
         "int_equal": [bool(np.array_equal(a, b)) for a, b in zip(one, four)
                       if a.dtype.kind in "iu"],
@@ -58,18 +60,20 @@ BODY = textwrap.dedent(
 )
 
 
-def test_sparse_dsr_with_fsdp_on_four_devices_equals_one_device():
+@pytest.mark.parametrize("storage", ["indices", "bits"])
+def test_sparse_dsr_with_fsdp_on_four_devices_equals_one_device(storage):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     ).strip()
+    body = f"STORAGE = {storage!r}\n" + BODY
     run = subprocess.run(
-        [sys.executable, "-c", BODY], capture_output=True, text=True, timeout=600, env=env
+        [sys.executable, "-c", body], capture_output=True, text=True, timeout=600, env=env
     )
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["devices"] == 4
-    # the indices really are split over the devices (capacities divisible by 4)
+    # the indices (or bits) really are split over the devices (lengths divisible by 4)
     assert all(c % 4 == 0 for c in result["capacities"]), result["capacities"]
     assert all("data" in s for s in result["specs"]), result["specs"]
     assert all(a == b for a, b in result["dtypes"]), result["dtypes"]
