@@ -28,9 +28,9 @@ def _data(key, n=32):
     return jr.normal(kx, (n, 8)), jr.normal(ky, (n, 3))
 
 
-def _model(key, density=0.3, slack=0.2):
+def _model(key, density=0.3, slack=0.2, storage="indices"):
     net = el.nn.mlp([8, 24, 24, 3], key=jr.fold_in(key, 0), activation=jnp.tanh)
-    return sp.sparsify(net, density, key=jr.fold_in(key, 1), slack=slack)
+    return sp.sparsify(net, density, key=jr.fold_in(key, 1), slack=slack, storage=storage)
 
 
 def _moments(opt_state):
@@ -106,7 +106,7 @@ def test_a_bit_set_storage_rewires_exactly_as_indices(name, steps, getkey):
     key, batch = getkey(), _data(getkey())
     out = {}
     for storage in ("indices", "bits"):
-        state = steps[name].init(_model_like(key, storage), key=jr.fold_in(key, 2))
+        state = steps[name].init(_model(key, storage=storage), key=jr.fold_in(key, 2))
         for _ in range(6):
             state, metrics = steps[name](state, batch)
             assert bool(metrics["finite"])
@@ -117,16 +117,11 @@ def test_a_bit_set_storage_rewires_exactly_as_indices(name, steps, getkey):
         np.testing.assert_array_equal(np.asarray(a.indices, np.int32), b.positions())
     assert any(  # rewiring moved slots
         not np.array_equal(np.asarray(b.positions()), np.asarray(m.indices))
-        for (_, b), (_, m) in zip(bits, sp.sparse_layers(_model_like(key)), strict=True)
+        for (_, b), (_, m) in zip(bits, sp.sparse_layers(_model(key)), strict=True)
     )
     floats = [eqx.filter(out[s], eqx.is_inexact_array) for s in ("indices", "bits")]
     for a, b in zip(*map(jax.tree.leaves, floats), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def _model_like(key, storage="indices"):
-    net = el.nn.mlp([8, 24, 24, 3], key=jr.fold_in(key, 0), activation=jnp.tanh)
-    return sp.sparsify(net, 0.3, key=jr.fold_in(key, 1), slack=0.2, storage=storage)
 
 
 @pytest.mark.parametrize("name", ["dsr", "set", "rigl"])

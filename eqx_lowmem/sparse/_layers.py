@@ -456,7 +456,8 @@ class SparseLinear(_Sparse):
     float32) and the index (1, 2 or 4 bytes, `index_dtype`; or, as a bit set, one bit per
     dense weight), against 12 bytes per dense weight with Adam. Time: one scatter of the
     values per forward and one more in the backward pass (cheap next to the matmul), and
-    one gather of the weight gradient.
+    one gather of the weight gradient; a bit set instead walks the dense weight's bits for
+    each of the three (see the module's note on storage).
 
     Attributes:
         values: `(..., capacity)` weights; empty slots hold 0.
