@@ -286,7 +286,9 @@ def _quality_script():
 def test_quality_run_small_version(tmp_path):
     # The paper's accuracy comparison (benchmarks/paper_quality.py) at a size for the test
     # suite, run as a user runs it: two updates of 20 images (10 micro-batches of 2 in the
-    # combination) per configuration on real Fashion-MNIST, the JSON and the plot.
+    # combination) per configuration on real Fashion-MNIST, the JSON and the plot. Two
+    # seeds, so the default trains them in two worker processes (started, like this one,
+    # under the type-checking launcher) and merges their runs.
     fashion_mnist = getattr(el.data, "fashion_mnist", None)
     if fashion_mnist is None:
         pytest.skip("eqx_lowmem.data.fashion_mnist is not available in this checkout")
@@ -303,7 +305,8 @@ def test_quality_run_small_version(tmp_path):
     env = dict(os.environ)
     env["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
     env["JAX_NUMPY_RANK_PROMOTION"] = "raise"
-    small = ["--quick", "--train", "40", "--batch", "20", "--test", "100", "--out", tmp_path]
+    small = ["--quick", "--train", "40", "--batch", "20", "--test", "100", "--seeds", "0", "1",
+             "--out", tmp_path]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-c", TYPE_CHECKED_RUN, QUALITY_SCRIPT, *map(str, small)],
         capture_output=True, text=True, timeout=900, env=env,
@@ -320,12 +323,19 @@ def test_quality_run_small_version(tmp_path):
         "density": 0.3,
     }
     assert result["combined_precision"] == "mixed_fp16"
-    baseline, combined = result["runs"]["baseline_fp32"]["0"], result["runs"]["combined"]["0"]
-    for run in (baseline, combined):
-        assert len(run["test_accuracy"]) == 1 and 0.0 <= run["test_accuracy"][0] <= 1.0
-        assert np.isfinite(run["train_loss"][0])
-        assert run["step_s"] is not None  # a second update ran through the compiled step
-    assert abs(combined["density"] - 0.3) < 0.01
-    assert result["gap_points"] == pytest.approx(
-        100 * (baseline["test_accuracy"][-1] - combined["test_accuracy"][-1])
-    )
+    assert result["workers"] == 2
+    for name in ("baseline_fp32", "combined"):
+        runs = result["runs"][name]
+        assert list(runs) == ["0", "1"]
+        for run in runs.values():
+            assert len(run["test_accuracy"]) == 1 and 0.0 <= run["test_accuracy"][0] <= 1.0
+            assert np.isfinite(run["train_loss"][0])
+            assert run["step_s"] is not None  # a second update ran through the compiled step
+        # Each worker trained its own seed: other weights, other images, another loss.
+        assert runs["0"]["train_loss"] != runs["1"]["train_loss"]
+        mean = np.mean([run["test_accuracy"][-1] for run in runs.values()])
+        assert result["final_mean_accuracy"][name] == pytest.approx(mean)
+    for run in result["runs"]["combined"].values():
+        assert abs(run["density"] - 0.3) < 0.01
+    final = result["final_mean_accuracy"]
+    assert result["gap_points"] == pytest.approx(100 * (final["baseline_fp32"] - final["combined"]))
