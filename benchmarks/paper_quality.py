@@ -323,23 +323,26 @@ def train_in_workers(cfg: dict, workers: int, precision: str | None = None) -> d
     side by side train about 1.6x as many updates in the same time. Each worker writes its
     runs to a JSON file (atomically) that this process reads back.
     """
-    cores = _cores()
+    cores, launch = _cores(), [*_launcher(), str(Path(__file__).resolve()), "--worker"]
     with tempfile.TemporaryDirectory(prefix="paper_quality_") as tmp:
         procs = []
         for w in range(workers):
             seeds = cfg["seeds"][w::workers]
             out = Path(tmp) / f"worker{w}.json"
-            command = [
-                *_launcher(),
-                str(Path(__file__).resolve()),
-                "--worker",
-                json.dumps({"cfg": cfg, "seeds": seeds, "precision": precision,
-                            "core": cores[w % len(cores)], "out": str(out)}),
-            ]  # fmt: skip
-            procs.append((seeds, out, subprocess.Popen(command)))
-        failed = [(seeds, proc.wait()) for seeds, _, proc in procs]
-        failed = [(seeds, rc) for seeds, rc in failed if rc != 0]
+            spec = {"cfg": cfg, "seeds": seeds, "precision": precision,
+                    "core": cores[w % len(cores)], "out": str(out)}  # fmt: skip
+            procs.append((seeds, out, subprocess.Popen([*launch, json.dumps(spec)])))
+        # The first failure stops the others: its error now, not after their runs.
+        while True:
+            codes = [(seeds, proc.poll()) for seeds, _, proc in procs]
+            failed = [(seeds, rc) for seeds, rc in codes if rc not in (None, 0)]
+            if failed or all(rc == 0 for _, rc in codes):
+                break
+            time.sleep(1.0)
         if failed:
+            for _, _, proc in procs:
+                proc.kill()
+                proc.wait()
             raise RuntimeError(
                 "paper_quality workers failed (their output is above): "
                 + ", ".join(f"seeds {seeds} exit code {rc}" for seeds, rc in failed)

@@ -283,12 +283,7 @@ def _quality_script():
     return module
 
 
-def test_quality_run_small_version(tmp_path):
-    # The paper's accuracy comparison (benchmarks/paper_quality.py) at a size for the test
-    # suite, run as a user runs it: two updates of 20 images (10 micro-batches of 2 in the
-    # combination) per configuration on real Fashion-MNIST, the JSON and the plot. Two
-    # seeds, so the default trains them in two worker processes (started, like this one,
-    # under the type-checking launcher) and merges their runs.
+def _need_fashion_mnist():
     fashion_mnist = getattr(el.data, "fashion_mnist", None)
     if fashion_mnist is None:
         pytest.skip("eqx_lowmem.data.fashion_mnist is not available in this checkout")
@@ -296,6 +291,15 @@ def test_quality_run_small_version(tmp_path):
         fashion_mnist("test")
     except (FileNotFoundError, OSError, ValueError) as e:
         pytest.skip(f"Fashion-MNIST is not installed (dataset-fashion-mnist): {e}")
+
+
+def test_quality_run_small_version(tmp_path):
+    # The paper's accuracy comparison (benchmarks/paper_quality.py) at a size for the test
+    # suite, run as a user runs it: two updates of 20 images (10 micro-batches of 2 in the
+    # combination) per configuration on real Fashion-MNIST, the JSON and the plot. Two
+    # seeds, so the default trains them in two worker processes (started, like this one,
+    # under the type-checking launcher) and merges their runs.
+    _need_fashion_mnist()
     quality = _quality_script()
     x, y = quality._images("train", 40)
     assert x.shape == (40, 1, 28, 28) and x.dtype == np.float32 and y.dtype == np.int32
@@ -339,3 +343,18 @@ def test_quality_run_small_version(tmp_path):
         assert abs(run["density"] - 0.3) < 0.01
     final = result["final_mean_accuracy"]
     assert result["gap_points"] == pytest.approx(100 * (final["baseline_fp32"] - final["combined"]))
+
+
+def test_a_failing_quality_worker_stops_the_run_with_its_error(tmp_path):
+    # A depth the WideResNet rejects fails inside the workers: the run exits at once with
+    # the workers' own error and the seeds that failed, and writes no JSON.
+    _need_fashion_mnist()
+    bad = ["--quick", "--depth", "11", "--seeds", "0", "1", "--out", tmp_path]
+    proc = subprocess.run(
+        [sys.executable, QUALITY_SCRIPT, *map(str, bad)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "depth must be 6n + 4" in proc.stderr and "got 11" in proc.stderr
+    assert "paper_quality workers failed" in proc.stderr and "exit code 1" in proc.stderr
+    assert not (tmp_path / "paper_quality_quick.json").exists()
