@@ -15,7 +15,12 @@ updates of each configuration and of the combination in bf16 side by side (FP16 
 paper's; bf16 would replace it only if XLA:CPU ran FP16 impractically slowly) and writes
 `paper_quality_timing.json`.
 
+The learning rate comes from `--select-lr`, run before the comparison: the FP32 dense
+baseline trained at each candidate rate on the training images less 10,000 held out, the
+best on the held-out ones kept (`paper_quality_lr.json`); no test image takes part.
+
     python benchmarks/paper_quality.py                  # the full run (below)
+    python benchmarks/paper_quality.py --select-lr      # the learning rate, on held-out images
     python benchmarks/paper_quality.py --timing-only    # step times only
     python benchmarks/paper_quality.py --ablation       # each technique alone, seed 0
     python benchmarks/paper_quality.py --quick          # a smoke test
@@ -55,6 +60,10 @@ QUALITY = {
     "batch": 100,
     "lr": 0.05,
 }
+# `--select-lr`: the learning rates tried, and the held-out split of the training images.
+LR_CANDIDATES = [0.05, 0.1, 0.2, 0.4]
+VALIDATION_SEED = 123
+FASHION_TRAIN = 60_000  # Fashion-MNIST's training images
 QUALITY_QUICK = {
     "depth": 10,
     "width": 1,
@@ -96,7 +105,7 @@ def wrn_loss(model, state, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y), state
 
 
-def _images(split: str, n: int) -> tuple[Any, Any]:
+def _images(split: str, n: int | None = None) -> tuple[Any, Any]:
     import numpy as np
 
     import eqx_lowmem as el
@@ -104,6 +113,32 @@ def _images(split: str, n: int) -> tuple[Any, Any]:
     images, labels = el.data.fashion_mnist(split)
     x = (images[:n].astype(np.float32) / 255.0 - 0.2860) / 0.3530  # the training set's stats
     return x[:, None], labels[:n].astype(np.int32)  # (n, 1, 28, 28)
+
+
+def load_data(cfg: dict) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    """`((x_train, y_train), (x_eval, y_eval))` for `cfg`: the first `cfg["train"]` training
+    images and the first `cfg["test"]` test images; or, with `cfg["validation"]`, `cfg["test"]`
+    training images held out at random (`VALIDATION_SEED`) for evaluation and `cfg["train"]`
+    of the others (in their order) for training, the test set left untouched."""
+    if not cfg.get("validation"):
+        return _images("train", cfg["train"]), _images("test", cfg["test"])
+    x, y = _images("train")
+    if cfg["train"] + cfg["test"] > len(x):
+        raise ValueError(
+            f"a validation run needs train + test <= {len(x):,} training images, got "
+            f"train={cfg['train']:,} and test={cfg['test']:,}."
+        )
+    rest, held = validation_split(len(x), cfg["test"], cfg["train"])
+    return (x[rest], y[rest]), (x[held], y[held])
+
+
+def validation_split(total: int, held: int, train: int) -> tuple[Any, Any]:
+    """Indices into `total` training images: `train` to train on (ascending) and `held`
+    others held out, drawn at random with `VALIDATION_SEED`."""
+    import numpy as np
+
+    order = np.random.default_rng(VALIDATION_SEED).permutation(total)
+    return np.sort(order[held:])[:train], order[:held]
 
 
 def dsr_period(total_steps: int) -> int:
@@ -274,17 +309,22 @@ def _order(seed_index: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-def train_seeds(cfg: dict, seeds: list[int], precision: str | None = None) -> dict:
-    """Every configuration on each of `seeds`, in this process: `{name: {seed: run}}`."""
-    data = (_images("train", cfg["train"]), _images("test", cfg["test"]))
+def train_seeds(
+    cfg: dict, seeds: list[int], precision: str | None = None, names: list[str] | None = None
+) -> dict:
+    """Each configuration of `names` (default every one) on each of `seeds`, in this
+    process: `{name: {seed: run}}`."""
+    names = list(QUALITY_CONFIGS) if names is None else names
+    data = load_data(cfg)
     steps = {
         name: make_config_step(name, cfg, precision if name == "combined" else None)
-        for name in QUALITY_CONFIGS
+        for name in names
     }
-    runs: dict[str, dict] = {name: {} for name in QUALITY_CONFIGS}
+    runs: dict[str, dict] = {name: {} for name in names}
     for seed in seeds:
         for name in _order(cfg["seeds"].index(seed)):
-            runs[name][str(seed)] = train_one(name, seed, cfg, data, steps[name])
+            if name in steps:
+                runs[name][str(seed)] = train_one(name, seed, cfg, data, steps[name])
     return runs
 
 
@@ -314,57 +354,117 @@ def default_workers(cfg: dict) -> int:
     return max(1, min(len(cfg["seeds"]), len(_cores())))
 
 
-def train_in_workers(cfg: dict, workers: int, precision: str | None = None) -> dict:
-    """`train_seeds` split over `workers` processes, each pinned to its own core and given
-    every `workers`-th seed; their runs merged.
+def run_workers(specs: list[dict], workers: int) -> list[dict]:
+    """Each of `specs` (`train_seeds`'s arguments `cfg`, `seeds`, `precision`, `names`, and
+    a `label` for errors) trained by its own worker process, at most `workers` at a time,
+    each pinned to its own core; their runs in the order of `specs`.
 
     Why: XLA:CPU runs one small WRN update only 1.2x faster on two cores than on one
     (0.29 s against 0.34 s per update at batch 100, 2026-12-02), so two one-core processes
     side by side train about 1.6x as many updates in the same time. Each worker writes its
-    runs to a JSON file (atomically) that this process reads back.
+    runs to a JSON file (atomically) that this process reads back. The first failure stops
+    the others at once and raises, naming the failed specs' labels and exit codes.
     """
     cores, launch = _cores(), [*_launcher(), str(Path(__file__).resolve()), "--worker"]
+    free = [cores[w % len(cores)] for w in range(max(1, min(workers, len(specs))))]
     with tempfile.TemporaryDirectory(prefix="paper_quality_") as tmp:
-        procs = []
-        for w in range(workers):
-            seeds = cfg["seeds"][w::workers]
-            out = Path(tmp) / f"worker{w}.json"
-            spec = {"cfg": cfg, "seeds": seeds, "precision": precision,
-                    "core": cores[w % len(cores)], "out": str(out)}  # fmt: skip
-            procs.append((seeds, out, subprocess.Popen([*launch, json.dumps(spec)])))
-        # The first failure stops the others: its error now, not after their runs.
-        while True:
-            codes = [(seeds, proc.poll()) for seeds, _, proc in procs]
-            failed = [(seeds, rc) for seeds, rc in codes if rc not in (None, 0)]
-            if failed or all(rc == 0 for _, rc in codes):
-                break
-            time.sleep(1.0)
-        if failed:
-            for _, _, proc in procs:
-                proc.kill()
-                proc.wait()
-            raise RuntimeError(
-                "paper_quality workers failed (their output is above): "
-                + ", ".join(f"seeds {seeds} exit code {rc}" for seeds, rc in failed)
-            )
-        runs: dict[str, dict] = {name: {} for name in QUALITY_CONFIGS}
-        for _, out, _ in procs:
-            for name, by_seed in json.loads(out.read_text()).items():
-                runs[name].update(by_seed)
+        outs = [Path(tmp) / f"worker{i}.json" for i in range(len(specs))]
+        pending, running, failed = list(range(len(specs))), {}, []
+        while pending or running:
+            while pending and free:
+                i, core = pending.pop(0), free.pop(0)
+                spec = {**specs[i], "core": core, "out": str(outs[i])}
+                running[i] = (core, subprocess.Popen([*launch, json.dumps(spec)]))
+            for i, (core, proc) in list(running.items()):
+                rc = proc.poll()
+                if rc is not None:
+                    del running[i]
+                    free.append(core)
+                    if rc != 0:
+                        failed.append(f"{specs[i]['label']} exit code {rc}")
+            if failed:
+                for _, proc in running.values():
+                    proc.kill()
+                    proc.wait()
+                raise RuntimeError(
+                    "paper_quality workers failed (their output is above): " + ", ".join(failed)
+                )
+            if running:
+                time.sleep(1.0)
+        return [json.loads(out.read_text()) for out in outs]
+
+
+def train_in_workers(cfg: dict, workers: int, precision: str | None = None) -> dict:
+    """`train_seeds` split over `workers` processes (`run_workers`), each given every
+    `workers`-th seed; their runs merged in the seeds' order."""
+    specs = []
+    for w in range(workers):
+        seeds = cfg["seeds"][w::workers]
+        specs.append(
+            {"cfg": cfg, "seeds": seeds, "precision": precision, "label": f"seeds {seeds}"}
+        )
+    runs: dict[str, dict] = {name: {} for name in QUALITY_CONFIGS}
+    for out in run_workers(specs, workers):
+        for name, by_seed in out.items():
+            runs[name].update(by_seed)
     # Seeds in the configuration's order, whichever worker finished first.
     return {n: {str(s): runs[n][str(s)] for s in cfg["seeds"]} for n in runs}
 
 
 def _worker(spec_json: str) -> int:
-    """A worker of `train_in_workers`: pinned to its core before JAX starts."""
+    """A worker of `run_workers`: pinned to its core before JAX starts."""
     from eqx_lowmem._io import write_json as atomic_write_json
 
     spec = json.loads(spec_json)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {spec["core"]})
-    runs = train_seeds(spec["cfg"], spec["seeds"], spec["precision"])
+    runs = train_seeds(spec["cfg"], spec["seeds"], spec["precision"], spec.get("names"))
     atomic_write_json(spec["out"], runs)
     return 0
+
+
+def select_lr(cfg: dict, candidates: list[float], workers: int | None = None) -> dict:
+    """The learning rate of the comparison, chosen before any test image is seen: the FP32
+    dense baseline (the first seed) trained at each of `candidates` for `cfg`'s epochs on
+    the training images less `cfg["test"]` held out (`load_data`'s validation split),
+    the candidate with the best accuracy on those held-out images selected. The
+    combination then trains at the baseline's rate: one rate for both, tuned for the
+    baseline alone."""
+    sel = {**cfg, "train": min(cfg["train"], FASHION_TRAIN - cfg["test"]), "validation": True}
+    sel["seeds"] = cfg["seeds"][:1]
+    specs = [
+        {
+            "cfg": {**sel, "lr": lr},
+            "seeds": sel["seeds"],
+            "precision": None,
+            "names": ["baseline_fp32"],
+            "label": f"lr {lr}",
+        }
+        for lr in candidates
+    ]
+    t0 = time.perf_counter()
+    workers = max(1, min(len(candidates), len(_cores()))) if workers is None else workers
+    if workers > 1:
+        outs = run_workers(specs, workers)
+    else:
+        outs = [train_seeds(s["cfg"], s["seeds"], None, s["names"]) for s in specs]
+    seed = str(sel["seeds"][0])
+    runs = {str(lr): out["baseline_fp32"][seed] for lr, out in zip(candidates, outs, strict=True)}
+    for run in runs.values():  # measured on the held-out training images
+        run["validation_accuracy"] = run.pop("test_accuracy")
+    accuracy = {lr: run["validation_accuracy"][-1] for lr, run in runs.items()}
+    best = max(candidates, key=lambda lr: accuracy[str(lr)])  # the first of any tie
+    return {
+        "rule": "the FP32 dense baseline's final accuracy on held-out training images",
+        "config": sel,
+        "validation_seed": VALIDATION_SEED,
+        "candidates": list(candidates),
+        "runs": runs,
+        "validation_accuracy": accuracy,
+        "selected_lr": best,
+        "workers": workers,
+        "run_seconds": time.perf_counter() - t0,
+    }
 
 
 def run_quality(cfg: dict, precision: str | None = None, workers: int | None = None) -> dict:
@@ -444,14 +544,26 @@ def main(argv: list[str] | None = None) -> int:
         help="processes training the seeds, one core each (default: one per seed, at most "
         "one per core; 1 trains them all in this process)",
     )
+    p.add_argument("--lr", type=float, help="override the configuration's learning rate")
+    p.add_argument(
+        "--select-lr",
+        action="store_true",
+        help="choose the learning rate on held-out training images (paper_quality_lr.json)",
+    )
+    p.add_argument(
+        "--lrs", type=float, nargs="+", help=f"the rates --select-lr tries ({LR_CANDIDATES})"
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: train_in_workers's child
     args = p.parse_args(argv)
     if args.worker is not None:
         return _worker(args.worker)
     if args.workers is not None and args.workers < 1:
         p.error(f"--workers must be at least 1, got {args.workers}")
+    for rate in ([args.lr] if args.lr is not None else []) + (args.lrs or []):
+        if not rate > 0:
+            p.error(f"learning rates must be positive, got {rate}")
     cfg = dict(QUALITY_QUICK if args.quick else QUALITY)
-    for field in (*_INT_OVERRIDES, "seeds"):
+    for field in (*_INT_OVERRIDES, "seeds", "lr"):
         if getattr(args, field) is not None:
             cfg[field] = getattr(args, field)
     out = Path(args.out)
@@ -461,8 +573,14 @@ def main(argv: list[str] | None = None) -> int:
         times = {"config": cfg, "steps": time_steps(cfg, data)}
         write_json(f"paper_quality_timing{suffix}", times, out)
         return 0
+    if args.select_lr:
+        chosen = select_lr(cfg, args.lrs or LR_CANDIDATES, args.workers)
+        chosen["wall_seconds"] = time.perf_counter() - _START
+        print(json.dumps(chosen["validation_accuracy"]), f"selected lr {chosen['selected_lr']}")
+        write_json(f"paper_quality_lr{suffix}", chosen, out)
+        return 0
     if args.ablation:
-        data = (_images("train", cfg["train"]), _images("test", cfg["test"]))
+        data = load_data(cfg)
         runs = {name: {"0": train_one(name, 0, cfg, data)} for name in ABLATIONS}
         write_json(
             f"paper_quality_ablation{suffix}",

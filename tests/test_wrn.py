@@ -358,3 +358,40 @@ def test_a_failing_quality_worker_stops_the_run_with_its_error(tmp_path):
     assert "depth must be 6n + 4" in proc.stderr and "got 11" in proc.stderr
     assert "paper_quality workers failed" in proc.stderr and "exit code 1" in proc.stderr
     assert not (tmp_path / "paper_quality_quick.json").exists()
+
+
+def test_the_validation_split_holds_out_training_images_it_does_not_train_on():
+    # The learning rate is chosen on training images held out from training (--select-lr),
+    # never on the test set: the split is disjoint, of the sizes asked, and repeatable.
+    quality = _quality_script()
+    train, held = quality.validation_split(1000, 100, 850)
+    assert len(train) == 850 and len(held) == 100
+    assert not set(train.tolist()) & set(held.tolist())
+    assert np.all(np.diff(train) > 0)  # trained on in the data's order, as the test runs
+    again_train, again_held = quality.validation_split(1000, 100, 850)
+    assert np.array_equal(train, again_train) and np.array_equal(held, again_held)
+    assert set(held.tolist()) != set(range(100))  # drawn at random, not the first images
+    _need_fashion_mnist()
+    with pytest.raises(ValueError, match="train \\+ test <= 60,000"):
+        quality.load_data({"train": 55_000, "test": 10_000, "validation": True})
+
+
+def test_select_lr_trains_the_baseline_per_rate_and_keeps_the_best_held_out(tmp_path):
+    # `--select-lr` at the suite's size, in this process: the FP32 baseline at two rates on
+    # 40 training images, scored on 30 others held out; the JSON names the best of them.
+    _need_fashion_mnist()
+    quality = _quality_script()
+    argv = ["--quick", "--select-lr", "--lrs", "0.05", "0.5", "--train", "40", "--batch", "20",
+            "--test", "30", "--workers", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert quality.main(argv) == 0
+    chosen = json.loads((tmp_path / "paper_quality_lr_quick.json").read_text())
+    assert chosen["candidates"] == [0.05, 0.5]
+    assert chosen["config"]["validation"] is True and chosen["config"]["train"] == 40
+    runs = chosen["runs"]
+    assert list(runs) == ["0.05", "0.5"] and "test_accuracy" not in runs["0.05"]
+    # The same first update, then each rate's own: the rate reached the optimizer.
+    assert runs["0.05"]["train_loss"] != runs["0.5"]["train_loss"]
+    accuracy = chosen["validation_accuracy"]
+    assert accuracy == {lr: run["validation_accuracy"][-1] for lr, run in runs.items()}
+    assert accuracy[str(chosen["selected_lr"])] == max(accuracy.values())
+    assert not (tmp_path / "paper_quality_quick.json").exists()  # no comparison was run
