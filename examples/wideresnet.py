@@ -46,7 +46,11 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=10, help="micro-batches per batch")
     p.add_argument("--density", type=float, default=0.3)
     p.add_argument("--precision", default="mixed_fp16", choices=sorted(el.precision.PRESETS))
+    # The rate benchmarks/paper_quality.py --select-lr chose on held-out training images.
+    p.add_argument("--lr", type=float, default=0.2, help="peak learning rate (cosine decay)")
     args = p.parse_args()
+    if not args.lr > 0:
+        p.error(f"--lr must be positive, got {args.lr}")
 
     key = jr.PRNGKey(0)
     model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
@@ -66,7 +70,7 @@ def main() -> None:
     # 0.375 * steps / period rewirings. The authors' period of 100 suits 100,000 updates;
     # for a short run, about 10 rewirings.
     dsr = el.sparse.dsr(period=max(1, min(100, round(0.375 * steps / 10))), total_steps=steps)
-    optimizer = optax.sgd(optax.cosine_decay_schedule(0.05, steps), momentum=0.9)
+    optimizer = optax.sgd(optax.cosine_decay_schedule(args.lr, steps), momentum=0.9)
     options = dict(accumulate=args.accumulate, precision=args.precision, has_state=True)
     batch = (
         jax.ShapeDtypeStruct((args.batch, 1, 28, 28), jnp.float32),
