@@ -46,7 +46,7 @@ _START = time.perf_counter()
 # Sized from step times measured on the 2 cores (quiet, 2026-12-02), WRN-10-1, batch 100,
 # with the convolutions in XLA:CPU's canonical layout and the weight gradients of a large
 # batch summed in chunks (eqx_lowmem.nn._conv), each seed trained by its own one-core worker
-# (`train_in_workers`): FP32 dense about 0.39 s per update there, the combination about 0.30
+# (`run_workers`): FP32 dense about 0.39 s per update there, the combination about 0.30
 # s. 2 seeds x 1,800 updates (the whole training set, 3 epochs): 1,391 s of wall time
 # at lr 0.2 (1,388 s at 0.05).
 # Earlier defaults: 2 epochs in one process (1,407 s, a gap of 1.13 points), 20,000 images
@@ -353,15 +353,16 @@ def _launcher() -> list[str]:
     return [sys.executable]
 
 
-def default_workers(cfg: dict) -> int:
-    """One worker per seed, at most one per core."""
-    return max(1, min(len(cfg["seeds"]), len(_cores())))
+def default_workers(jobs: int) -> int:
+    """One worker per job, at most one per core."""
+    return max(1, min(jobs, len(_cores())))
 
 
 def run_workers(specs: list[dict], workers: int) -> list[dict]:
     """Each of `specs` (`train_seeds`'s arguments `cfg`, `seeds`, `precision`, `names`, and
     a `label` for errors) trained by its own worker process, at most `workers` at a time,
-    each pinned to its own core; their runs in the order of `specs`.
+    each pinned to its own core; their runs in the order of `specs`. One worker: all of
+    them in this process.
 
     Why: XLA:CPU runs one small WRN update only 1.2x faster on two cores than on one
     (0.29 s against 0.34 s per update at batch 100, 2026-12-02), so two one-core processes
@@ -369,8 +370,11 @@ def run_workers(specs: list[dict], workers: int) -> list[dict]:
     runs to a JSON file (atomically) that this process reads back. The first failure stops
     the others at once and raises, naming the failed specs' labels and exit codes.
     """
+    workers = max(1, min(workers, len(specs)))
+    if workers == 1:
+        return [train_seeds(s["cfg"], s["seeds"], s["precision"], s.get("names")) for s in specs]
     cores, launch = _cores(), [*_launcher(), str(Path(__file__).resolve()), "--worker"]
-    free = [cores[w % len(cores)] for w in range(max(1, min(workers, len(specs))))]
+    free = [cores[w % len(cores)] for w in range(workers)]
     with tempfile.TemporaryDirectory(prefix="paper_quality_") as tmp:
         outs = [Path(tmp) / f"worker{i}.json" for i in range(len(specs))]
         pending, running, failed = list(range(len(specs))), {}, []
@@ -447,11 +451,8 @@ def select_lr(cfg: dict, candidates: list[float], workers: int | None = None) ->
         for lr in candidates
     ]
     t0 = time.perf_counter()
-    workers = max(1, min(len(candidates), len(_cores()))) if workers is None else workers
-    if workers > 1:
-        outs = run_workers(specs, workers)
-    else:
-        outs = [train_seeds(s["cfg"], s["seeds"], None, s["names"]) for s in specs]
+    workers = default_workers(len(specs)) if workers is None else min(workers, len(specs))
+    outs = run_workers(specs, workers)
     seed = str(sel["seeds"][0])
     runs = {str(lr): out["baseline_fp32"][seed] for lr, out in zip(candidates, outs, strict=True)}
     for run in runs.values():  # measured on the held-out training images
@@ -477,11 +478,9 @@ def run_quality(cfg: dict, precision: str | None = None, workers: int | None = N
     import numpy as np
 
     t0 = time.perf_counter()
-    workers = default_workers(cfg) if workers is None else min(workers, len(cfg["seeds"]))
-    if workers > 1:
-        runs = train_in_workers(cfg, workers, precision)
-    else:
-        runs = train_seeds(cfg, cfg["seeds"], precision)
+    jobs = len(cfg["seeds"])
+    workers = default_workers(jobs) if workers is None else min(workers, jobs)
+    runs = train_in_workers(cfg, workers, precision)
     final = {n: float(np.mean([r["test_accuracy"][-1] for r in runs[n].values()])) for n in runs}
     gap = final["baseline_fp32"] - final["combined"]
     total = total_steps(cfg)
@@ -557,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--lrs", type=float, nargs="+", help=f"the rates --select-lr tries ({LR_CANDIDATES})"
     )
-    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: train_in_workers's child
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run_workers's child
     args = p.parse_args(argv)
     if args.worker is not None:
         return _worker(args.worker)
