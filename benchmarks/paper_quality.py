@@ -23,6 +23,7 @@ best on the held-out ones kept (`paper_quality_lr.json`); no test image takes pa
     python benchmarks/paper_quality.py --select-lr      # the learning rate, on held-out images
     python benchmarks/paper_quality.py --timing-only    # step times only
     python benchmarks/paper_quality.py --ablation       # each technique alone, seed 0
+    python benchmarks/paper_quality.py --sparse-variants  # DSR's settings, held out
     python benchmarks/paper_quality.py --quick          # a smoke test
 """
 
@@ -88,16 +89,30 @@ QUALITY_CONFIGS = {
     },
 }
 
-# Each technique of the combination alone (`--ablation`, seed 0): which one costs accuracy.
+# Each technique of the combination alone, and the combination without its sparsity
+# (`--ablation`, seed 0): which one costs accuracy.
 ABLATIONS = {
     "fp16": {**QUALITY_CONFIGS["baseline_fp32"], "precision": "mixed_fp16"},
     "sparse30": {**QUALITY_CONFIGS["baseline_fp32"], "density": 0.3},
     "micro10": {**QUALITY_CONFIGS["baseline_fp32"], "accumulate": 10},
+    "combined_dense": {**QUALITY_CONFIGS["combined"], "density": None},
+}
+
+# The combination with its sparsity changed (`--sparse-variants`, seed 0, on held-out
+# training images as `--select-lr`): whether DSR's settings decide what the 30% costs. The
+# defaults: `distribution` "uniform", `slack` 0.1, `rewire` True (DSR), `dsr_fraction` 0.01.
+SPARSE_VARIANTS = {
+    "combined": QUALITY_CONFIGS["combined"],
+    "combined_dense": ABLATIONS["combined_dense"],
+    "combined_erk": {**QUALITY_CONFIGS["combined"], "distribution": "erk"},
+    "combined_slack05": {**QUALITY_CONFIGS["combined"], "slack": 0.5},
+    "combined_static": {**QUALITY_CONFIGS["combined"], "rewire": False},
+    "combined_fraction_0.003": {**QUALITY_CONFIGS["combined"], "dsr_fraction": 0.003},
 }
 
 
 def _opts(name: str) -> dict:
-    return {**QUALITY_CONFIGS, **ABLATIONS}[name]
+    return {**QUALITY_CONFIGS, **ABLATIONS, **SPARSE_VARIANTS}[name]
 
 
 def wrn_loss(model, state, x, y):
@@ -171,8 +186,10 @@ def make_config_step(name: str, cfg: dict, precision: str | None = None) -> Any:
     opts = _opts(name)
     total = total_steps(cfg)
     after_update = None
-    if opts["density"] is not None:
-        after_update = el.sparse.dsr(period=dsr_period(total), total_steps=total)
+    if opts["density"] is not None and opts.get("rewire", True):
+        after_update = el.sparse.dsr(
+            period=dsr_period(total), total_steps=total, fraction=opts.get("dsr_fraction", 0.01)
+        )
     schedule = optax.cosine_decay_schedule(cfg["lr"], max(total, 1))
     optimizer = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(schedule, momentum=0.9))
     return el.train.make_step(
@@ -203,7 +220,8 @@ def init_state(name: str, seed: int, cfg: dict, step: Any) -> Any:
             model,
             opts["density"],
             key=jr.fold_in(key, 1),
-            slack=0.1,
+            distribution=opts.get("distribution", "uniform"),
+            slack=opts.get("slack", 0.1),
             exclude=el.nn.WideResNet.keep_dense,
         )
     return step.init(model, key=jr.fold_in(key, 2), model_state=state)
@@ -326,9 +344,9 @@ def train_seeds(
     }
     runs: dict[str, dict] = {name: {} for name in names}
     for seed in seeds:
-        for name in _order(cfg["seeds"].index(seed)):
-            if name in steps:
-                runs[name][str(seed)] = train_one(name, seed, cfg, data, steps[name])
+        order = _order(cfg["seeds"].index(seed))
+        for name in [n for n in order if n in steps] + [n for n in names if n not in order]:
+            runs[name][str(seed)] = train_one(name, seed, cfg, data, steps[name])
     return runs
 
 
@@ -431,6 +449,13 @@ def _worker(spec_json: str) -> int:
     return 0
 
 
+def held_out(cfg: dict) -> dict:
+    """`cfg` evaluated on `cfg["test"]` training images held out (`load_data`'s validation
+    split), trained on at most the others, with its first seed only."""
+    train = min(cfg["train"], FASHION_TRAIN - cfg["test"])
+    return {**cfg, "train": train, "validation": True, "seeds": cfg["seeds"][:1]}
+
+
 def select_lr(cfg: dict, candidates: list[float], workers: int | None = None) -> dict:
     """The learning rate of the comparison, chosen before any test image is seen: the FP32
     dense baseline (the first seed) trained at each of `candidates` for `cfg`'s epochs on
@@ -438,8 +463,7 @@ def select_lr(cfg: dict, candidates: list[float], workers: int | None = None) ->
     the candidate with the best accuracy on those held-out images selected. The
     combination then trains at the baseline's rate: one rate for both, tuned for the
     baseline alone."""
-    sel = {**cfg, "train": min(cfg["train"], FASHION_TRAIN - cfg["test"]), "validation": True}
-    sel["seeds"] = cfg["seeds"][:1]
+    sel = held_out(cfg)
     specs = [
         {
             "cfg": {**sel, "lr": lr},
@@ -468,6 +492,30 @@ def select_lr(cfg: dict, candidates: list[float], workers: int | None = None) ->
         "validation_accuracy": accuracy,
         "selected_lr": best,
         "workers": workers,
+        "run_seconds": time.perf_counter() - t0,
+    }
+
+
+def run_ablation(cfg: dict, rows: dict, workers: int | None = None) -> dict:
+    """Each configuration of `rows` (`ABLATIONS`, `SPARSE_VARIANTS`) trained on `cfg`'s first
+    seed, one worker per row (at most one per core; 1 trains them here): the runs as
+    `{name: {seed: run}}`, with the configurations."""
+    seed = cfg["seeds"][:1]
+    specs = [
+        {"cfg": {**cfg, "seeds": seed}, "seeds": seed, "precision": None, "names": [name],
+         "label": name}
+        for name in rows
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    workers = default_workers(len(specs)) if workers is None else min(workers, len(specs))
+    runs: dict[str, dict] = {}
+    for out in run_workers(specs, workers):
+        runs.update(out)
+    return {
+        "config": {**cfg, "seeds": seed},
+        "configs": rows,
+        "workers": workers,
+        "runs": runs,
         "run_seconds": time.perf_counter() - t0,
     }
 
@@ -530,8 +578,17 @@ _INT_OVERRIDES = ("depth", "width", "train", "test", "epochs", "batch")
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    p.add_argument(
+        "--sparse-variants",
+        action="store_true",
+        help="the combination with DSR's settings varied, seed 0, on held-out images",
+    )
     p.add_argument("--timing-only", action="store_true", help="time the steps, train nothing")
-    p.add_argument("--ablation", action="store_true", help="each technique alone, seed 0")
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="each technique alone, and the combination without sparsity, seed 0",
+    )
     p.add_argument("--out", default=str(RESULTS), help="directory for the JSON and plot")
     p.add_argument(
         "--precision",
@@ -583,13 +640,18 @@ def main(argv: list[str] | None = None) -> int:
         write_json(f"paper_quality_lr{suffix}", chosen, out)
         return 0
     if args.ablation:
-        data = load_data(cfg)
-        runs = {name: {"0": train_one(name, 0, cfg, data)} for name in ABLATIONS}
-        write_json(
-            f"paper_quality_ablation{suffix}",
-            {"config": cfg, "configs": ABLATIONS, "runs": runs},
-            out,
-        )
+        result = run_ablation(cfg, ABLATIONS, args.workers)
+        result["wall_seconds"] = time.perf_counter() - _START
+        write_json(f"paper_quality_ablation{suffix}", result, out)
+        return 0
+    if args.sparse_variants:
+        result = run_ablation(held_out(cfg), SPARSE_VARIANTS, args.workers)
+        for by_seed in result["runs"].values():  # measured on the held-out training images
+            for run in by_seed.values():
+                run["validation_accuracy"] = run.pop("test_accuracy")
+        result["validation_seed"] = VALIDATION_SEED
+        result["wall_seconds"] = time.perf_counter() - _START
+        write_json(f"paper_quality_sparse{suffix}", result, out)
         return 0
     result = run_quality(cfg, args.precision, args.workers)
     # The whole script, imports and data included, up to the JSON.

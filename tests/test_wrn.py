@@ -395,3 +395,36 @@ def test_select_lr_trains_the_baseline_per_rate_and_keeps_the_best_held_out(tmp_
     assert accuracy == {lr: run["validation_accuracy"][-1] for lr, run in runs.items()}
     assert accuracy[str(chosen["selected_lr"])] == max(accuracy.values())
     assert not (tmp_path / "paper_quality_quick.json").exists()  # no comparison was run
+
+
+def test_sparse_variants_change_only_the_sparsity_they_name():
+    # `--sparse-variants` compares the combination with DSR's settings changed: each
+    # variant must reach the model (its layers' densities and slots) or the step (its
+    # rewiring hook), and leave the count of non-zeros where the combination has it.
+    quality = _quality_script()
+    cfg = quality.QUALITY_QUICK
+
+    def build(name):
+        step = quality.make_config_step(name, cfg)
+        layers = el.sparse.sparse_layers(quality.init_state(name, 0, cfg, step).model)
+        nnz = [int(np.sum(layer.nnz())) for _, layer in layers]
+        slots = [layer.capacity * max(1, int(np.prod(layer.stack_shape))) for _, layer in layers]
+        size = [layer.size * max(1, int(np.prod(layer.stack_shape))) for _, layer in layers]
+        return step, np.array(nnz), np.array(slots), np.array(size)
+
+    step, nnz, slots, size = build("combined")
+    assert step.config.after_update is not None
+    np.testing.assert_allclose(nnz / size, 0.3, atol=2e-3)  # uniform
+    assert np.all(slots >= np.floor(nnz * 1.1)) and np.all(slots <= np.ceil(nnz * 1.1) + 1)
+
+    _, erk, _, _ = build("combined_erk")
+    assert abs(int(erk.sum()) - int(nnz.sum())) <= len(nnz)  # the same count, spread by ERK
+    assert erk[0] / size[0] > 0.5 > 0.3 > erk[-1] / size[-1]  # 16 -> 16 dense, 64 -> 64 sparse
+
+    _, same, slack, _ = build("combined_slack05")
+    assert np.array_equal(same, nnz) and np.all(slack > slots)
+    assert np.all(slack >= np.floor(nnz * 1.5))
+
+    static, same, _, _ = build("combined_static")
+    assert static.config.after_update is None and np.array_equal(same, nnz)
+    assert build("combined_dense")[1].size == 0
