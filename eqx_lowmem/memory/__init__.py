@@ -1,6 +1,6 @@
 """Where the memory of a training step goes, and which combination of techniques fits."""
 
-from ..train._step import SHARDS as SHARDS
+from ..train._make_step import SHARDS as SHARDS
 from ._cost import (
     THROUGHPUTS as THROUGHPUTS,
     Cost as Cost,

@@ -40,7 +40,7 @@ import optax
 
 from ..nn import PRESETS as REMAT_PRESETS
 from ..precision._policy import PRESETS as PRECISION_PRESETS
-from ..train._step import SHARDS
+from ..train._make_step import SHARDS
 from ._plan import ACCUMULATES, PRECISIONS, TARGETS, BudgetError, default_remats, plan
 from ._report import memory_report
 from ._units import parse_size

@@ -20,7 +20,7 @@ from .._io import write_json
 from ..nn import PRESETS as REMAT_PRESETS
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy, get_policy
-from ..train._step import SHARDS, make_step
+from ..train._make_step import SHARDS, make_step
 from ._cost import THROUGHPUTS, Throughput, relative_time
 from ._inspect import batch_structs, precision_name
 from ._measure import time_step

@@ -15,7 +15,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy
-from ..train._step import make_step
+from ..train._make_step import make_step
 from ._activations import fused_slots, group_residuals, micro_residuals
 from ._compile import compile_step, memory_figures
 from ._cost import jaxpr_cost

@@ -18,11 +18,8 @@ from ._losses import (
     mse as mse,
     next_token_loss as next_token_loss,
 )
-from ._step import (
-    SHARDS as SHARDS,
-    Step as Step,
-    TrainState as TrainState,
-    make_step as make_step,
-)
+from ._make_step import SHARDS as SHARDS, make_step as make_step
+from ._state import TrainState as TrainState
+from ._step import Step as Step
 from ._trainer import Trainer as Trainer
 from ._update import MeanGradient as MeanGradient, UpdateInfo as UpdateInfo

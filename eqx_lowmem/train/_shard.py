@@ -18,7 +18,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..nn._layers import is_stack
 
@@ -142,3 +142,51 @@ def gather_layer(axis: str):
         return jax.tree.unflatten(treedef, gathered)
 
     return hook
+
+
+def state_shardings(state: Any, mesh: Mesh, axis: str, shard: str) -> Any:
+    """A `NamedSharding` per array leaf of a `TrainState` (None elsewhere): replicated with
+    `shard="data"`; with `"fsdp"` the parameters and optimizer state split as `fsdp_layout`
+    says, the rest replicated."""
+    n = int(mesh.shape[axis])
+
+    def named(spec):
+        return None if spec is None else NamedSharding(mesh, spec)
+
+    replicated = jax.tree.map(lambda x: NamedSharding(mesh, P()) if is_arraylike(x) else None,
+                              state)  # fmt: skip
+    if shard != "fsdp":
+        return replicated
+    model_specs = fsdp_layout(state.model, n, axis).specs
+    opt_specs = _opt_specs(state, model_specs, n, axis)
+    return replace_fields(
+        replicated,
+        model=jax.tree.map(named, model_specs, is_leaf=lambda x: isinstance(x, P)),
+        opt_state=jax.tree.map(named, opt_specs, is_leaf=lambda x: isinstance(x, P)),
+    )
+
+
+def _opt_specs(state: Any, model_specs: Any, n: int, axis: str) -> Any:
+    """Optimizer-state specs: a subtree shaped like the parameters (Adam's moments) gets
+    the parameters' specs; any other array the plain rule."""
+    params = eqx.filter(state.model, is_inexact_like)
+    param_specs = jax.tree.map(
+        lambda p, s: s if p is not None else None, params, model_specs,
+        is_leaf=lambda x: x is None,
+    )  # fmt: skip
+    treedef = jax.tree.structure(params)
+
+    def like_params(x):
+        try:
+            return jax.tree.structure(x) == treedef and x is not None
+        except Exception:
+            return False
+
+    def node(x):
+        if like_params(x):
+            shapes = [np.shape(a) for a in jax.tree.leaves(x)]
+            if shapes == [np.shape(a) for a in jax.tree.leaves(params)]:
+                return param_specs
+        return specs_like(x, n, axis)
+
+    return jax.tree.map(node, state.opt_state, is_leaf=like_params)

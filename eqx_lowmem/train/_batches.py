@@ -1,0 +1,47 @@
+"""The batches of one update: micro-batches grouped, concatenated and padded at weight 0."""
+
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+
+from ..data import DataStream
+
+
+def peek(stream: DataStream) -> Iterator[tuple]:
+    """The first batch of the stream's current epoch, leaving its position unchanged."""
+    position = stream.state()
+    try:
+        for batch in stream:
+            yield batch
+            break
+    finally:
+        stream.set_state(position)
+
+
+def groups(batches, k: int):
+    group = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == k:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def concat(micro: list[tuple]) -> tuple:
+    fields = [[m[i] for m in micro] for i in range(len(micro[0]))]  # one list per array
+    return tuple(jnp.concatenate(f) if len(f) > 1 else jnp.asarray(f[0]) for f in fields)
+
+
+def pad(micro: list[tuple], size: int) -> tuple[tuple, jax.Array]:
+    """Concatenate micro-batches and pad to `size` samples at weight 0 (one compilation)."""
+    batch = concat(micro)
+    n = batch[0].shape[0]
+    weights = jnp.ones((max(n, size),), jnp.float32)
+    if n < size:
+        index = jnp.arange(size) % n
+        batch = tuple(x[index] for x in batch)
+        weights = (jnp.arange(size) < n).astype(jnp.float32)
+    return batch, weights

@@ -1,0 +1,212 @@
+"""The Trainer's checks of what it is given, each raised before any work: arguments, data,
+the mesh, the checkpoint directory, and a model that must accept the data."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+from jax.sharding import Mesh
+
+from ..data import DataStream
+from ._batches import peek
+from ._loss import call_loss
+from ._losses import check_batch
+from ._state import TrainState
+from ._step import Step
+
+_STREAM_AND_ARRAYS = """\
+fit() takes either arrays or a stream, not both:
+
+    trainer.fit(X, y, epochs=3, micro_batch=8, key=key)          # arrays
+    trainer.fit(epochs=3, key=key, stream=DataStream(...))       # a stream
+"""
+
+
+def int_arg(name: str, value: Any, minimum: int, none: bool = False) -> None:
+    if value is None and none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        also = "None or " if none else ""
+        raise ValueError(f"{name} must be {also}an int >= {minimum}, got {value!r}.")
+
+
+def seconds_arg(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be None or a number of seconds > 0, got {value!r}.")
+
+
+def check_key(key: Any) -> None:
+    ok = isinstance(key, jax.Array) and (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        or (key.dtype == jnp.uint32 and key.shape in ((2,), (4,)))
+    )
+    if not ok:
+        got = (
+            f"{type(key).__name__} {key!r}"
+            if not hasattr(key, "dtype")
+            else (f"an array of dtype {key.dtype} and shape {tuple(key.shape)}")
+        )
+        raise TypeError(f"key must be a PRNG key such as jr.PRNGKey(0) or jr.key(0), got {got}.")
+
+
+def check_trainer_args(
+    *,
+    checkpoint_dir,
+    checkpoint_every,
+    checkpoint_seconds,
+    keep_checkpoints,
+    max_consecutive_skips,
+    progress,
+    log_seconds,
+    interrupt,
+    config,
+) -> dict[str, Any] | None:
+    """The checks of `Trainer(...)`'s arguments; returns `config` as JSON would give it back."""
+    int_arg("checkpoint_every", checkpoint_every, 1, none=True)
+    int_arg("keep_checkpoints", keep_checkpoints, 1)
+    int_arg("max_consecutive_skips", max_consecutive_skips, 1)
+    seconds_arg("checkpoint_seconds", checkpoint_seconds)
+    seconds_arg("log_seconds", log_seconds)
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise ValueError("checkpoint_every needs a checkpoint_dir to write to.")
+    if progress not in (True, False, "bar", "log"):
+        raise ValueError(f"progress must be True, False, 'bar' or 'log', got {progress!r}.")
+    if interrupt not in ("exit", "raise"):
+        raise ValueError(f"interrupt must be 'exit' or 'raise', got {interrupt!r}.")
+    if config is not None:
+        try:
+            config = json.loads(json.dumps(config))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"config must be a JSON-serialisable dict: {e}") from e
+    return config
+
+
+def check_fit_args(key: Any, epochs: Any, updates: Any, eval_every: Any, eval_data: Any) -> None:
+    """The checks of `fit(...)`'s arguments other than the data."""
+    check_key(key)
+    int_arg("epochs", epochs, 0, none=True)
+    int_arg("updates", updates, 0, none=True)
+    int_arg("eval_every", eval_every, 1, none=True)
+    if epochs is None and updates is None:
+        raise ValueError("fit() needs epochs=... or updates=... (or both).")
+    if eval_every is not None and eval_data is None:
+        raise ValueError("eval_every needs eval_data to evaluate on.")
+
+
+def check_directory(d: Path | None) -> None:
+    if d is not None and d.exists() and not d.is_dir():
+        raise ValueError(
+            f"checkpoint_dir={str(d)!r} is a file; expected a directory (it is created "
+            "if missing). Pass a directory path."
+        )
+
+
+def make_stream(X, y, micro_batch, key, shuffle, stream, accumulate: int) -> DataStream:
+    """The stream `fit` trains from: `stream` checked, or one over the arrays `X` (and `y`)."""
+    if stream is not None:
+        if X is not None or y is not None:
+            raise ValueError(_STREAM_AND_ARRAYS)
+        _check_stream(stream, micro_batch)
+        return stream
+    if X is None:
+        raise ValueError("fit() needs arrays X (and y) or stream=DataStream(...).")
+    if not isinstance(micro_batch, int) or isinstance(micro_batch, bool) or micro_batch < 1:
+        raise ValueError(
+            f"micro_batch must be an int >= 1 (samples per micro-batch; an update uses "
+            f"accumulate={accumulate} of them), got {micro_batch!r}."
+        )
+    arrays = (X,) if y is None else (X, y)
+    lengths = [len(a) for a in arrays]
+    if len(set(lengths)) != 1:
+        raise ValueError(
+            f"X and y must have the same number of samples, got len(X)={lengths[0]} and "
+            f"len(y)={lengths[1]}."
+        )
+    return DataStream(
+        tuple(np.asarray(a) for a in arrays),
+        micro_batch,
+        key=key if shuffle else None,
+    )
+
+
+def _check_stream(stream: Any, micro_batch: Any) -> None:
+    if not isinstance(stream, DataStream):
+        raise TypeError(
+            f"stream must be an eqx_lowmem.data.DataStream, got {type(stream).__name__}."
+        )
+    if micro_batch is not None and micro_batch != stream.batch_size:
+        raise ValueError(
+            f"micro_batch={micro_batch!r} but the stream serves batches of "
+            f"{stream.batch_size} (the micro-batches); pass micro_batch=None (or the "
+            "stream's)."
+        )
+    if stream.process_count != jax.process_count():
+        raise ValueError(
+            f"the stream is one of process_count={stream.process_count} parts, but "
+            f"JAX runs {jax.process_count()} process(es): call "
+            "jax.distributed.initialize(...) in every process before building the "
+            "model and the stream, or build the stream with process_count=1."
+        )
+
+
+def make_eval_stream(eval_data, micro_batch) -> DataStream | None:
+    if eval_data is None or isinstance(eval_data, DataStream):
+        return eval_data
+    if not isinstance(eval_data, (tuple, list)):
+        raise TypeError(
+            f"eval_data must be a tuple of arrays such as (X, y) or a DataStream, got "
+            f"{type(eval_data).__name__}."
+        )
+    arrays = tuple(np.asarray(a) for a in eval_data if a is not None)
+    lengths = {len(a) for a in arrays}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"eval_data arrays must have the same number of samples, got {sorted(lengths)}."
+        )
+    return DataStream(arrays, micro_batch)
+
+
+def check_mesh(mesh: Mesh | None, data_axis: str, micro_batch: int) -> None:
+    if mesh is None:
+        return
+    n = int(mesh.shape[data_axis])
+    if micro_batch % n:
+        raise ValueError(
+            f"micro_batch={micro_batch} is not divisible by the {n} devices of the mesh's "
+            f"{data_axis!r} axis; every micro-batch is split over them: use a "
+            f"multiple of {n}. Batch sizes are global (over all devices)."
+        )
+
+
+def check_model_accepts(step_fn: Step, loss, state: TrainState, stream: DataStream) -> None:
+    """Trace one micro-batch through the loss before any work, for a clear error."""
+    first = next(iter(peek(stream)), None)
+    if first is None:
+        raise ValueError(
+            f"the stream has no batches in epoch {stream.epoch + 1} (an empty source, "
+            "or drop_last with fewer samples than a batch); nothing to train on."
+        )
+    assert state is not None
+    check_batch(loss, state.model, tuple(first))  # bad data, on the host
+    policy = step_fn.policy
+
+    def trace(model, model_state, batch, key):
+        return call_loss(loss, model, batch, model_state=model_state, key=key, policy=policy)
+
+    specs = tuple(jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in first)
+    try:
+        eqx.filter_eval_shape(trace, state.model, state.model_state, specs, jr.PRNGKey(0))
+    except Exception as e:
+        shapes = ", ".join(f"{tuple(s.shape)} {s.dtype}" for s in specs)
+        raise ValueError(
+            f"the loss cannot be applied to the model and a micro-batch of ({shapes}) "
+            f"(called as the step calls it, with a key if the loss takes one): "
+            f"{type(e).__name__}: {e}"
+        ) from e
