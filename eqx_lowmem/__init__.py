@@ -7,6 +7,9 @@ Subpackages, one concern each:
 - `eqx_lowmem.data`: a data stream over arrays, `.npy` memory maps and iterators.
 - `eqx_lowmem.precision`: dtype policies, dynamic loss scaling, half-size optimizer state.
 - `eqx_lowmem.memory`: where the memory of a training step goes, and a planner.
+
+`save_model` and `load_model` (also in `eqx_lowmem.train`) write a model as plain
+`eqx.tree_serialise_leaves` bytes and read it back, or from any checkpoint.
 """
 
 import importlib.metadata
@@ -21,6 +24,7 @@ from . import (
     sparse as sparse,
     train as train,
 )
+from .train import load_model as load_model, save_model as save_model
 
 
 def _version() -> str:

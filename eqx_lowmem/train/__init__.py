@@ -7,7 +7,6 @@ from ._checkpoint import (
     DirectoryLockedError as DirectoryLockedError,
     clean_stale_temporaries as clean_stale_temporaries,
     load_checkpoint as load_checkpoint,
-    load_model as load_model,
     lock_directory as lock_directory,
     read_meta as read_meta,
     save_checkpoint as save_checkpoint,
@@ -19,6 +18,8 @@ from ._losses import (
     next_token_loss as next_token_loss,
 )
 from ._make_step import SHARDS as SHARDS, make_step as make_step
+from ._model_io import load_model as load_model, save_model as save_model
+from ._orbax import OrbaxCheckpoints as OrbaxCheckpoints
 from ._state import TrainState as TrainState
 from ._step import Step as Step
 from ._trainer import Trainer as Trainer

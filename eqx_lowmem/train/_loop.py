@@ -160,6 +160,8 @@ def _finish(trainer, run: Run, bar: Progress, metrics: dict, epoch: int) -> None
         partial["weight"] += values["weight"]
     partial["updates"] += 1
     bar.update(trainer.updates, values["loss"], epoch)
+    if trainer._writer is not None:
+        trainer._writer.update(trainer, values)
     if trainer.callback is not None:
         trainer.callback(
             trainer,
@@ -171,6 +173,8 @@ def _close_epoch(trainer, run: Run, epoch: int) -> None:
     partial = run.partial
     mean = partial["sum"] / partial["weight"] if partial["weight"] > 0 else math.nan
     run.history["train_loss"].append(mean)
+    if trainer._writer is not None:
+        trainer._writer.scalars(trainer.updates, {"train/epoch_loss": mean})
     if run.eval_stream is not None and run.eval_every is None:
         _evaluate_into(trainer, run)
     run.partial = fresh_partial(epoch + 1)
@@ -180,6 +184,8 @@ def _evaluate_into(trainer, run: Run) -> None:
     assert run.eval_stream is not None
     run.history["eval_loss"].append(trainer.evaluate(run.eval_stream))
     run.history["eval_update"].append(trainer.updates)
+    if trainer._writer is not None:
+        trainer._writer.scalars(trainer.updates, {"eval/loss": run.history["eval_loss"][-1]})
 
 
 def _catch_up(trainer, run: Run) -> None:

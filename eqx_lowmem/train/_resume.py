@@ -1,6 +1,10 @@
 """The Trainer's checkpoint policy: what a run saves, the older checkpoints it keeps, the
 settings a resumed run must share (with the optimizer's fingerprint), and the directory
-claimed while it runs."""
+claimed while it runs.
+
+Two formats (`Trainer(checkpoint_format=...)`): one file per checkpoint (`_checkpoint`,
+written synchronously), or orbax step directories (`_orbax`, written asynchronously; the
+default for sharded and multi-process runs)."""
 
 import contextlib
 import functools
@@ -27,7 +31,59 @@ from ._checkpoint import (
     read_meta,
     save_checkpoint,
 )
+from ._orbax import OrbaxCheckpoints, holds_orbax_steps, newest_step_directory
 from ._run import Run
+
+FORMATS = ("auto", "file", "orbax")
+
+
+def checkpoint_format(trainer) -> str:
+    """The format of `trainer`'s checkpoints: the one its directory holds; otherwise
+    `checkpoint_format`, where "auto" is orbax for a run whose state is sharded (FSDP) or
+    spans processes, and the single file for the rest."""
+    d, chosen = trainer.checkpoint_dir, trainer.checkpoint_format
+    held = None
+    if d is not None and holds_orbax_steps(d):
+        held = "orbax"
+    elif d is not None and (d / CHECKPOINT_NAME).exists():
+        held = "file"
+    if held is not None and chosen not in ("auto", held):
+        raise ValueError(
+            f"checkpoint_format={chosen!r} but {d} holds {held} checkpoints; pass "
+            f"checkpoint_format={held!r} (or 'auto') to resume it, or use a new checkpoint_dir."
+        )
+    if held is not None:
+        return held
+    if chosen != "auto":
+        return chosen
+    return "orbax" if trainer.shard == "fsdp" or jax.process_count() > 1 else "file"
+
+
+def newest(trainer) -> Path | None:
+    """The newest checkpoint in `trainer.checkpoint_dir` (a file or an orbax step
+    directory), or None."""
+    d = trainer.checkpoint_dir
+    if d is None:
+        return None
+    if holds_orbax_steps(d):
+        return newest_step_directory(d)
+    path = d / CHECKPOINT_NAME
+    return path if path.exists() else None
+
+
+@contextlib.contextmanager
+def checkpoints(trainer):
+    """Open `trainer`'s checkpoint engine for one `fit`: orbax's is closed after it, waiting
+    for the save in flight (also when `fit` raises)."""
+    trainer._orbax = None
+    if trainer.checkpoint_dir is not None and checkpoint_format(trainer) == "orbax":
+        trainer._orbax = OrbaxCheckpoints(trainer.checkpoint_dir, keep=trainer.keep_checkpoints)
+    try:
+        yield trainer._orbax
+    finally:
+        if trainer._orbax is not None:
+            trainer._orbax.close()
+            trainer._orbax = None
 
 
 def save(trainer, run: Run) -> None:
@@ -48,6 +104,10 @@ def save(trainer, run: Run) -> None:
         "updates": trainer.updates,
         "run": run.settings,
     }
+    if trainer._orbax is not None:
+        trainer._orbax.save(trainer.updates, trainer.state, meta)
+        run.saved = key
+        return
     path = trainer.checkpoint_dir / CHECKPOINT_NAME
     if trainer.keep_checkpoints > 1 and path.exists():
         before = run.saved[0] if run.saved else read_meta(path).get("updates", 0)
@@ -62,7 +122,8 @@ def save(trainer, run: Run) -> None:
 def resume(trainer, path: Path, run: Run) -> None:
     """Load the checkpoint at `path` into `trainer` and `run`, refusing one made with other
     settings (unless `check_resume=False`)."""
-    meta = read_meta(path)
+    engine = trainer._orbax
+    meta = read_meta(path) if engine is None else engine.read_meta()
     saved = meta.get("run")
     if trainer.check_resume and saved is not None:
         for name, now in run.settings.items():
@@ -70,7 +131,10 @@ def resume(trainer, path: Path, run: Run) -> None:
             if before != now:
                 raise ValueError(_changed(path, name, before, now))
     assert trainer.state is not None
-    trainer.state, meta = load_checkpoint(path, trainer.state)
+    if engine is None:
+        trainer.state, meta = load_checkpoint(path, trainer.state)
+    else:
+        trainer.state, meta = engine.restore(trainer.state)
     run.stream.set_state(meta["stream"])
     run.history = meta["history"]
     if run.eval_stream is not None:
@@ -101,8 +165,9 @@ def settings(trainer, stream: DataStream) -> dict[str, Any]:
 
 
 def claim_directory(checkpoint_dir: Path | None):
-    """Lock `checkpoint_dir` for this run and remove temporaries a killed run left."""
-    if checkpoint_dir is None:
+    """Lock `checkpoint_dir` for this run and remove temporaries a killed run left (on
+    process 0 of a multi-process run: the others share its directory)."""
+    if checkpoint_dir is None or jax.process_index() != 0:
         return contextlib.nullcontext()
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     lock = lock_directory(checkpoint_dir)

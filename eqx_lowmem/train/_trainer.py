@@ -18,7 +18,6 @@ from jaxtyping import PRNGKeyArray
 from ..data import DataStream
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy
-from ._checkpoint import CHECKPOINT_NAME
 from ._checks import (
     check_directory,
     check_fit_args,
@@ -31,10 +30,11 @@ from ._checks import (
 from ._evaluate import eval_function, evaluate
 from ._loop import train
 from ._make_step import make_step
-from ._resume import claim_directory, resume, settings
+from ._resume import FORMATS, checkpoints, claim_directory, newest, resume, settings
 from ._run import Run
 from ._signals import sigint
 from ._state import TrainState
+from ._tensorboard import tensorboard
 
 
 class Trainer:
@@ -76,6 +76,7 @@ class Trainer:
         shard: Literal["data", "fsdp"] = "data",
         after_update: Callable[..., Any] | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_format: Literal["auto", "file", "orbax"] = "auto",
         checkpoint_every: int | None = None,
         checkpoint_seconds: float | int | None = 300.0,
         keep_checkpoints: int = 3,
@@ -87,6 +88,7 @@ class Trainer:
         config: dict[str, Any] | None = None,
         check_resume: bool = True,
         callback: Callable[["Trainer", dict[str, Any]], None] | None = None,
+        log_dir: str | os.PathLike | None = None,
     ):
         """Args:
         model: an Equinox model (the loss calls it). The Trainer keeps its own copy in
@@ -104,11 +106,18 @@ class Trainer:
             over the mesh's data axis; `after_update` for sparse rewiring).
         model_state: `eqx.nn.State` for stateful layers (BatchNorm); the loss then takes and
             returns it.
-        checkpoint_dir: where `fit` saves `checkpoint-<updates>.eqxlowmem` files (model,
-            optimizer state, update counter, PRNG key, loss scale, the stream's position,
-            the history and the settings of the run) and from where it resumes. The
-            directory is locked while `fit` runs (a second process gets a clear error) and
-            temporary files that a killed run left are removed.
+        checkpoint_dir: where `fit` saves checkpoints (model, optimizer state, update
+            counter, PRNG key, loss scale, the stream's position, the history and the
+            settings of the run) and from where it resumes. The directory is locked while
+            `fit` runs (a second process gets a clear error) and temporary files that a
+            killed run left are removed.
+        checkpoint_format: `"file"`: `checkpoint.ckpt`, one file written synchronously
+            (older ones kept as `checkpoint-<updates>.ckpt`); `"orbax"`: orbax step
+            directories `checkpoint_<updates>`, written asynchronously (training goes on
+            while they are written), readable by orbax's own API onto any mesh; needs
+            orbax-checkpoint (`pip install -e '.[orbax]'`). `"auto"`: the format the
+            directory holds; else orbax for `shard="fsdp"` or several processes, the file
+            otherwise.
         checkpoint_every: also checkpoint every this many updates.
         checkpoint_seconds: also checkpoint when this many seconds have passed since the
             last one (None: never on time). Time: one save (a copy of the state to the
@@ -144,6 +153,11 @@ class Trainer:
             (counted from 0), `update` (the update's number within the epoch, from 1),
             `updates` (updates of the whole run so far) and the step's metrics as Python
             numbers (`loss`, `weight`, `grad_norm`, `finite`, `loss_scale`).
+        log_dir: write TensorBoard scalars here (loss, evaluation loss, learning rate
+            where the optimizer state holds it, loss scale, skipped updates, updates per
+            second, device memory in use where reported; see
+            `eqx_lowmem.train._tensorboard`). Needs tensorboardX
+            (`pip install -e '.[tensorboard]'`).
         """
         config = check_trainer_args(
             checkpoint_dir=checkpoint_dir,
@@ -156,7 +170,13 @@ class Trainer:
             interrupt=interrupt,
             config=config,
         )
+        if checkpoint_format not in FORMATS:
+            raise ValueError(
+                f"checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}."
+            )
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+        self.checkpoint_format = checkpoint_format
+        self.log_dir = None if log_dir is None else Path(log_dir)
         check_directory(self.checkpoint_dir)
         self.step_fn = make_step(
             loss,
@@ -195,6 +215,8 @@ class Trainer:
         self.history: dict[str, list[float]] = {"train_loss": []}
         self.updates = 0  # updates taken in the run (skipped ones included)
         self._interrupted = False
+        self._orbax = None  # the orbax engine while `fit` runs, with that format
+        self._writer = None  # the TensorBoard writer while `fit` runs, with `log_dir`
         self._eval_fn = eval_function(loss, self.step_fn.policy, jit=compile)
 
     @property
@@ -208,9 +230,10 @@ class Trainer:
 
     @property
     def checkpoint_path(self) -> Path | None:
-        """`checkpoint_dir / CHECKPOINT_NAME`: the newest checkpoint (None without a
-        `checkpoint_dir`). Older ones are kept as `checkpoint-<updates>.ckpt`."""
-        return None if self.checkpoint_dir is None else self.checkpoint_dir / CHECKPOINT_NAME
+        """The newest checkpoint: `checkpoint_dir / "checkpoint.ckpt"` (older ones kept as
+        `checkpoint-<updates>.ckpt`), or orbax's newest step directory
+        `checkpoint_dir / "checkpoint_<updates>"`; None without one."""
+        return newest(self)
 
     # ---------------------------------------------------------------------------------- fit
 
@@ -275,7 +298,7 @@ class Trainer:
         check_mesh(self.mesh, self.data_axis, stream.batch_size)
         eval_stream = make_eval_stream(eval_data, stream.batch_size)
         check_directory(self.checkpoint_dir)
-        with claim_directory(self.checkpoint_dir):
+        with claim_directory(self.checkpoint_dir), checkpoints(self):
             if self.state is None:
                 self.state = self.step_fn.init(
                     self._model, key=state_key, model_state=self._model_state
@@ -292,13 +315,13 @@ class Trainer:
                 settings=settings(self, stream),
             )
             path = self.checkpoint_path
-            if path is not None and path.exists():
+            if path is not None:
                 resume(self, path, run)
             else:
                 # Counted from here: a second fit without a checkpoint trains this many more.
                 run.start = self.updates
             self.history = run.history
-            with sigint(self):
+            with sigint(self), tensorboard(self):
                 train(self, run)
         return run.history
 
