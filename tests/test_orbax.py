@@ -5,6 +5,8 @@ as plain Equinox files."""
 
 import glob
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -194,13 +196,18 @@ def _fit(trainer, epochs):
     return trainer.fit(x, y, epochs=epochs, micro_batch=4, key=jr.PRNGKey(1), eval_data=(x, y))
 
 
-def test_trainer_resumes_an_orbax_run_exactly_and_logs_to_tensorboard(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    trainer = _trainer(tmp_path_factory.mktemp("full"))
+    return trainer, _fit(trainer, 3)  # 4 updates an epoch, 12 in all
+
+
+def test_trainer_resumes_an_orbax_run_exactly_and_logs_to_tensorboard(tmp_path, uninterrupted):
     accumulator = pytest.importorskip(
         "tensorboard.backend.event_processing.event_accumulator",
         reason="tensorboard is not installed (.[test])",
     )
-    full = _trainer(tmp_path / "full")
-    full_history = _fit(full, 3)  # 4 updates an epoch
+    full, full_history = uninterrupted
     first = _trainer(tmp_path / "run", log_dir=tmp_path / "logs")
     _fit(first, 2)
     assert first.checkpoint_path == tmp_path / "run" / "checkpoint_000000008"
@@ -248,6 +255,48 @@ def test_trainer_resumes_an_orbax_run_exactly_and_logs_to_tensorboard(tmp_path):
         [e.value for e in events.Scalars("train/epoch_loss")], history["train_loss"], rtol=1e-6
     )
     np.testing.assert_allclose([e.value for e in events.Scalars("train/learning_rate")], 0.01)
+
+
+# The child trains as above and kills itself as soon as its n-th save returns: the save's
+# files are being written in the background (argv: directory, n).
+CHILD = """
+import os, signal, sys
+from eqx_lowmem.train import OrbaxCheckpoints
+from tests.test_orbax import _fit, _trainer
+
+directory, n = sys.argv[1], int(sys.argv[2])
+saves = []
+save = OrbaxCheckpoints.save
+def save_then_die(self, *args, **kwargs):
+    save(self, *args, **kwargs)
+    saves.append(1)
+    if len(saves) == n:
+        os.kill(os.getpid(), signal.SIGKILL)
+OrbaxCheckpoints.save = save_then_die
+_fit(_trainer(directory), 3)
+"""
+
+
+def test_sigkill_during_an_async_save_resumes_bit_identically(tmp_path, uninterrupted, env):
+    full, full_history = uninterrupted
+    killed = subprocess.run(
+        [sys.executable, "-c", CHILD, str(tmp_path), "3"],  # the save of update 6
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    # Killed while the save of update 6 was being written: its temporary directory is left.
+    assert any(n.startswith("checkpoint_000000006.orbax-checkpoint-tmp") for n in names), names
+    assert "checkpoint_000000004" in names
+    trainer = _trainer(tmp_path)
+    assert _fit(trainer, 3) == full_history
+    assert _same(trainer.state, full.state)
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert names == ["checkpoint_000000010", "checkpoint_000000012"], names
 
 
 # --------------------------------------------------------------------------- save_model
