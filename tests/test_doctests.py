@@ -8,6 +8,12 @@ import pytest
 
 import eqx_lowmem
 
+# Modules whose examples need an optional package (an extra of pyproject.toml).
+OPTIONAL = {
+    "eqx_lowmem.train._orbax": "orbax.checkpoint",
+    "eqx_lowmem.train._tensorboard": "tensorboardX",
+}
+
 
 def _modules() -> list[str]:
     names = [eqx_lowmem.__name__]
@@ -33,6 +39,8 @@ def test_the_package_has_examples():
 
 @pytest.mark.parametrize("name", _modules())
 def test_docstring_examples_run(name, tmp_path, monkeypatch):
+    if name in OPTIONAL:
+        pytest.importorskip(OPTIONAL[name], reason=f"{OPTIONAL[name]} is not installed")
     monkeypatch.chdir(tmp_path)  # examples that write files write them here
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     for test in _examples(name):

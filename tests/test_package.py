@@ -59,3 +59,31 @@ def test_import_from_an_uninstalled_checkout(tmp_path):
     out = _run(checkout, deps)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "0+unknown"
+
+
+_WITHOUT_EXTRAS = """
+import sys
+for name in ("orbax", "orbax.checkpoint", "tensorstore", "tensorboardX", "tensorboard"):
+    sys.modules[name] = None  # as if not installed: importing them raises ImportError
+import jax.numpy as jnp, jax.random as jr, optax
+import eqx_lowmem as el
+trainer = el.train.Trainer(el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0)), el.train.mse,
+                           optax.sgd(0.1), checkpoint_dir=sys.argv[1], progress=False)
+trainer.fit(jnp.ones((8, 2)), jnp.zeros((8, 1)), epochs=1, micro_batch=4, key=jr.PRNGKey(1))
+model = el.load_model(trainer.checkpoint_path, el.nn.mlp([2, 4, 1], key=jr.PRNGKey(2)))
+el.save_model(sys.argv[1] + "/model.eqx", model)
+print(trainer.checkpoint_path.name)
+"""
+
+
+def test_the_core_trains_and_checkpoints_without_the_optional_packages(tmp_path):
+    # The GPU machine has no orbax-checkpoint or tensorboardX: the single-file format,
+    # load_model and save_model work without them.
+    run = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_EXTRAS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-1] == "checkpoint.ckpt"
