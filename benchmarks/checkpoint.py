@@ -68,7 +68,7 @@ def measure_stall(name: str, state, repeats: int = 5) -> dict:
     from eqx_lowmem.train import OrbaxCheckpoints, load_checkpoint, save_checkpoint
 
     meta = {"updates": 1, "history": {"train_loss": [1.0]}}
-    out: dict = {"state_bytes": _nbytes(state)}
+    out: dict = {"state_mb": round(_nbytes(state) / 1e6, 1)}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         path = tmp / "checkpoint.ckpt"
