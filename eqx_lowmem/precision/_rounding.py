@@ -1,5 +1,6 @@
 """Stochastic rounding of float32 values to 16-bit floats."""
 
+import math
 from typing import Any
 
 import equinox as eqx
@@ -22,8 +23,11 @@ def stochastic_round(
 
     bfloat16 (the top half of a float32) adds 16 random bits below the kept ones and
     truncates; other dtypes compare a uniform draw with the position of `x` between its two
-    neighbours. Memory and time: one 32-bit random number per element and a few
-    element-wise operations.
+    neighbours. The random bits are a counter-based hash of each element's index and the
+    key (`counter_bits`), computed inside the rounding's own element-wise pass: no random
+    array is ever stored, where `jax.random.bits` would hold 4 bytes per element (and
+    threefry's loop on CPU several such arrays at once). Time: a few integer operations
+    per element.
 
     Args:
         x: the values, any floating dtype (computed in float32).
@@ -38,7 +42,7 @@ def stochastic_round(
 
     Example:
         >>> import jax.numpy as jnp, jax.random as jr
-        >>> x = jnp.full((10000,), 1.0 + 2.0**-10)  # a quarter of bfloat16's step above 1
+        >>> x = jnp.full((100_000,), 1.0 + 2.0**-10)  # an eighth of bfloat16's step above 1
         >>> y = stochastic_round(x, jnp.bfloat16, jr.PRNGKey(0))
         >>> sorted(set(y.tolist()))
         [1.0, 1.0078125]
@@ -50,7 +54,39 @@ def stochastic_round(
     """
     dtype = _check_dtype(dtype)
     x = jnp.asarray(x)
-    return _round(x, dtype, jr.bits(key, x.shape, jnp.uint32))
+    return _round(x, dtype, counter_bits(key, x.shape))
+
+
+def _mix(h: Array) -> Array:
+    """Chris Wellons' `lowbias32`: a bijective 32-bit mixer whose output bits each depend
+    on every input bit (bias 0.17 of an ideal mixer's)."""
+    h = h ^ jax.lax.shift_right_logical(h, jnp.uint32(16))
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ jax.lax.shift_right_logical(h, jnp.uint32(15))
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ jax.lax.shift_right_logical(h, jnp.uint32(16))
+
+
+def _seed_words(key: PRNGKeyArray) -> tuple[Array, Array]:
+    """Two 32-bit words of a PRNG key (raw `uint32[2]` or typed), mixed once."""
+    data = jr.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    words = jnp.ravel(data).astype(jnp.uint32)
+    return _mix(words[0]), _mix(words[-1] ^ jnp.uint32(0x9E3779B9))
+
+
+def counter_bits(key: PRNGKeyArray, shape: tuple[int, ...], offset: int = 0) -> Array:
+    """32 random bits per element of `shape`: a hash of the element's flat index (plus
+    `offset`) and `key`, computed element-wise (XLA fuses it into its consumer, so no
+    random array is stored). Distinct `offset` ranges give independent streams of one key.
+
+    Not a cryptographic generator: a counter-based hash (two rounds of a 32-bit mixer
+    keyed by both words of the key), ample for the noise of stochastic rounding. Indices
+    wrap modulo 2**32.
+    """
+    size = math.prod(shape)
+    s0, s1 = _seed_words(key)
+    index = jax.lax.iota(jnp.uint32, size) + jnp.uint32(offset % 2**32)
+    return _mix(_mix(index ^ s0) + s1).reshape(shape)
 
 
 def _check_dtype(dtype: Any) -> Any:
@@ -107,20 +143,18 @@ def stochastic_round_tree(tree: Any, dtype: Any, key: PRNGKeyArray) -> Any:
     """`stochastic_round` over the floating-point array leaves of a pytree (independent
     draws for every element); other leaves are returned unchanged.
 
-    All the random numbers come from one draw, split between the leaves: one random number
-    generator in the compiled program rather than one per leaf, which matters for compile
-    time on CPU.
+    Each leaf's bits are `counter_bits` over its own range of indices (one stream of the
+    key across the leaves), computed inside that leaf's rounding: no random array of the
+    whole tree (4 bytes per element) is ever held.
     """
     dtype = _check_dtype(dtype)
     leaves, treedef = jax.tree.flatten(tree)
     floating = [i for i, x in enumerate(leaves) if eqx.is_inexact_array(x)]
     if not floating:
         return tree
-    sizes = [leaves[i].size for i in floating]
-    bits = jr.bits(key, (sum(sizes),), jnp.uint32)
     start = 0
-    for i, size in zip(floating, sizes, strict=True):
+    for i in floating:
         x = leaves[i]
-        leaves[i] = _round(x, dtype, bits[start : start + size].reshape(x.shape))
-        start += size
+        leaves[i] = _round(x, dtype, counter_bits(key, x.shape, start))
+        start += x.size
     return jax.tree.unflatten(treedef, leaves)
