@@ -83,7 +83,12 @@ def test_bfloat16_accumulator_and_an_uneven_last_micro_batch():
     fn = accumulate(
         loss_grad(el.train.mse, static, policy, dtype=jnp.bfloat16), 4, dtype=jnp.bfloat16
     )
-    got = fn(params, None, (x, y), w, key, scale)
+    raw = fn(params, None, (x, y), w, key, scale)
+    # The 16-bit accumulator comes back as it is, in units of the count (no float32 copy
+    # of the gradient is formed inside the step); exact() is the float32 gradient of the sum.
+    assert float(raw.unit) == 30.0
+    assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(raw.grads))
+    got = raw.exact()
     assert float(got.total) == float(ref.total) and float(got.weight) == 30.0
     u = 2.0**-8  # bfloat16's unit roundoff
     for a, b in zip(jax.tree.leaves(ref.grads), jax.tree.leaves(got.grads), strict=True):

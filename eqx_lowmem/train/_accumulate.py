@@ -32,16 +32,29 @@ class Sums(NamedTuple):
     """What a gradient function returns for (part of) a batch.
 
     Attributes:
-        grads: float32 gradient of `scale * sum(values * weights)` w.r.t. the parameters.
+        grads: float32 gradient of `scale * sum(values * weights)` w.r.t. the parameters;
+            with `unit`, a 16-bit accumulator whose float32 value times `unit` is that.
         total: `sum(values * weights)`, float32.
         weight: `sum(weights)`, float32.
         model_state: the model state after this part (threaded in order), or None.
+        unit: None, or the float32 scalar the 16-bit `grads` are in units of (a 16-bit
+            accumulator holds the gradient of the mean: `unit` is the count). Kept apart
+            so that no float32 copy of the whole gradient is ever formed: its consumers
+            convert and scale each element as they read it (`exact()` forms it).
     """
 
     grads: Any
     total: Float[Array, ""]
     weight: Float[Array, ""]
     model_state: Any
+    unit: Float[Array, ""] | None = None
+
+    def exact(self) -> "Sums":
+        """The same sums with `grads` the float32 gradient of the sum (`unit` None)."""
+        if self.unit is None:
+            return self
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) * self.unit, self.grads)
+        return Sums(grads, self.total, self.weight, self.model_state)
 
 
 class MeanSums(NamedTuple):
@@ -176,9 +189,8 @@ class FuseRequest:
 
 
 def _to_sums(m: MeanSums) -> Sums:
-    """The float32 gradient of the sum, from a 16-bit one of `sum / count`."""
-    grads = jax.tree.map(lambda g: g.astype(jnp.float32) * m.count, m.grads)
-    return Sums(grads, m.total, m.weight, m.model_state)
+    """The sums of a 16-bit gradient of `sum / count`: in units of the count."""
+    return Sums(m.grads, m.total, m.weight, m.model_state, m.count)
 
 
 def _fold_leaves(rule: Callable, acc: Any, part: Any, fused: frozenset[int]) -> Any:
@@ -216,8 +228,8 @@ def accumulate(grad_fn: GradFn, k: int, *, dtype: Any = jnp.float32, fuse: bool 
     of them, so a float16 accumulator overflows only where a micro-batch's gradient would.
     Each addition is computed in float32 and rounded once to `dtype`. Memory: the
     micro-batch gradient and the accumulator in 2 bytes per parameter each (instead of 4);
-    one float32 gradient is formed after the last micro-batch, when the activations are
-    gone. Returns `Sums` (float32) as the float32 accumulator does.
+    returns `Sums` in units of the count (`Sums.unit`): no float32 copy of the gradient is
+    formed (`Sums.exact()` forms one).
 
     `fuse` (for a `loss_grad` function): the accumulator is offered to the model's scanned
     stacks whose blocks are all recomputed (`remat=True`), which fold each layer's gradient

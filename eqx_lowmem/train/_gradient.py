@@ -52,6 +52,7 @@ def batch_sums(c: Any, model: Any, model_state, batch, w, key, scale) -> Sums:
 
         with layer_hook(gather_layer(axis) if c.shard == "fsdp" else None):
             sums = grad_function(c, static, prepare)(params, model_state, batch, w, key, scale)
+        sums = sums.exact()  # reduced over devices in float32
         # Sharded leaves arrive reduce-scattered (the transpose of their all-gather);
         # replicated ones are summed here, once per update, after the micro-batches.
         grads = jax.tree.map(

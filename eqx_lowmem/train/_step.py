@@ -36,7 +36,16 @@ from ._state import (
     place,
     split,
 )
-from ._update import UpdateInfo, apply_updates, if_finite, mean_gradient, optimizer_update
+from ._update import (
+    UpdateInfo,
+    apply_updates,
+    if_finite_cond,
+    mean_gradient,
+    optimizer_update,
+    read_after,
+    scaled,
+    select,
+)
 
 _CONSUMED = (
     "the TrainState passed to this step was already consumed: a step donates the state's "
@@ -323,7 +332,7 @@ class Step:
         key, step_key, round_key, hook_key = jr.split(state.key, 4)
         scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale.scale
         sums = batch_sums(c, state.model, state.model_state, batch, w, step_key, scale)
-        mean = mean_gradient(sums, scale)
+        mean = mean_gradient(sums, scale, chunked=c.mesh is None)
         params, static = eqx.partition(state.model, eqx.is_inexact_array)
 
         def grad_fn(model):
@@ -332,30 +341,9 @@ class Step:
             return mean_gradient(batch_sums(c, model, state.model_state, batch, w, step_key, one),
                                  one).grads  # fmt: skip
 
-        def apply() -> TrainState:
-            updates, opt_state = optimizer_update(c.optimizer, mean.grads, state.opt_state, params)
-            new_params = apply_updates(
-                params, updates, param_dtype=c.policy.param_dtype, key=round_key
-            )
-            new = dataclasses.replace(
-                state,
-                step=state.step + 1,
-                model=eqx.combine(new_params, static),
-                opt_state=opt_state,
-                model_state=sums.model_state,
-            )
-            return new
-
-        dynamic, state_static = eqx.partition(state, eqx.is_array)
-        new = eqx.combine(
-            if_finite(mean.finite, lambda: eqx.filter(apply(), eqx.is_array), dynamic),
-            state_static,
-        )
+        new = self._update(state, mean, sums, params, static, round_key)
         if c.after_update is not None:
-            # After the finiteness cond, not inside it: a hook that reads the optimizer's
-            # outputs inside the cond's branch makes XLA keep a second copy of the
-            # parameters and optimizer state (0.85x instead of 0.58x of a dense step's
-            # peak for DSR at 30%). The hook gates itself on `info.finite`.
+            # After the update (or its skip): the hook gates itself on `info.finite`.
             hooked = c.after_update(new, UpdateInfo(mean.grads, hook_key, grad_fn, mean.finite))
             check_hooked(hooked, new)
             new = hooked
@@ -366,11 +354,50 @@ class Step:
         metrics = {
             "loss": mean.loss,
             "weight": mean.weight,
-            "grad_norm": optax.tree.norm(mean.grads),
+            "grad_norm": mean.norm,
             "finite": mean.finite,
             "loss_scale": scale,
         }
         return new, metrics
+
+    def _update(self, state, mean, sums, params, static, round_key) -> TrainState:
+        """The state after the optimizer's update where `mean.finite`, else `state`."""
+        c = self.config
+        finite = mean.finite
+
+        def update(opt_state, grads=mean.grads):
+            updates, opt_state = optimizer_update(c.optimizer, grads, opt_state, params)
+            return apply_updates(params, updates, param_dtype=c.policy.param_dtype,
+                                 key=round_key), opt_state  # fmt: skip
+
+        if c.after_update is not None:
+            # A rewiring hook overwrites the slots in place inside its loop: after a
+            # select XLA copies them first (every step); out of a `lax.cond` it does not.
+            dynamic, rest = eqx.partition(state, eqx.is_array)
+
+            def apply():
+                # The gradient formed again inside the branch, from the stored sums: a
+                # value the branch closed over would be stored whole in float32 first.
+                new_params, opt_state = update(state.opt_state, scaled(sums, mean.factor))
+                new = dataclasses.replace(
+                    state, step=state.step + 1, model=eqx.combine(new_params, static),
+                    opt_state=opt_state, model_state=sums.model_state,
+                )  # fmt: skip
+                return eqx.filter(new, eqx.is_array)
+
+            return eqx.combine(if_finite_cond(finite, apply, dynamic), rest)
+        new_params = select(finite, update(state.opt_state)[0], params)
+        # The optimizer's new state, traced again from its old state read after the new
+        # parameters exist (the same numbers; XLA keeps of each trace only what is used):
+        # so the state is overwritten in place, not copied first (see `read_after`).
+        old_opt = read_after(state.opt_state, new_params)
+        return dataclasses.replace(
+            state,
+            step=jnp.where(finite, state.step + 1, state.step),
+            model=eqx.combine(new_params, static),
+            opt_state=select(finite, update(old_opt)[1], old_opt),
+            model_state=select(finite, sums.model_state, state.model_state),
+        )
 
     def _constrain(self, state: TrainState) -> TrainState:
         """Keep each array of the new state where `init` placed it (no silent re-layout)."""

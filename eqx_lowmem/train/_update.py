@@ -8,7 +8,7 @@
    `eqx_lowmem.precision.half_state`), then `apply_updates`: plain for float32 parameters,
    stochastically rounded for 16-bit ones.
 3. `if_finite`: the new state where the gradient is finite, else the old one unchanged
-   (parameters, optimizer state, model state and update counter), as a `lax.cond`.
+   (parameters, optimizer state, model state and update counter), selected leaf by leaf.
 4. An `after_update` hook (`UpdateInfo`), after the finite branch (told whether the update
    was applied): sparse layers rewire there.
 """
@@ -16,24 +16,27 @@
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from ..precision._loss_scale import all_finite
 from ..precision._rounding import stochastic_round_tree
 from ._accumulate import Sums
 
 
 class MeanGradient(NamedTuple):
-    """The exact batch mean: `grads` of the mean loss, the `loss`, its total `weight`, and
-    `finite` (every gradient entry and the loss are finite)."""
+    """The exact batch mean: `grads` of the mean loss, the `loss`, its total `weight`,
+    `finite` (every gradient entry and the loss are finite), `norm`, the gradient's global
+    norm, and `factor`: `grads` is `scaled(sums, factor)` (to form it again elsewhere)."""
 
     grads: Any
     loss: Float[Array, ""]
     weight: Float[Array, ""]
     finite: Bool[Array, ""]
+    norm: Float[Array, ""]
+    factor: Float[Array, ""]
 
 
 class UpdateInfo(NamedTuple):
@@ -60,13 +63,62 @@ class UpdateInfo(NamedTuple):
     finite: Bool[Array, ""] | None = None
 
 
-def mean_gradient(sums: Sums, scale: Float[Array, ""]) -> MeanGradient:
-    """Divide the summed gradient by the total weight and the loss scale (0 weight: 0)."""
+def mean_gradient(sums: Sums, scale: Float[Array, ""], *, chunked: bool = True) -> MeanGradient:
+    """Divide the summed gradient by the total weight and the loss scale (0 weight: 0).
+
+    `finite` is one check per update, on the accumulated gradient, before clipping: the
+    loss and the gradient's norm are finite (a gradient whose squared norm overflows
+    float32, entries beyond about 1e19, counts as non-finite: one reduction for both).
+
+    Memory: `grads` is element-wise in the accumulated sums, so XLA computes it inside each
+    consumer (the optimizer's update of each leaf) and never stores it whole in float32.
+    XLA:CPU stores the whole input of a reduction before reducing it, so the norm (a sum of
+    squares) would store a float32 copy of the gradient: it is summed `chunked`, a
+    `lax.scan` over slices of 2**16 elements of each large leaf (256 KiB of squares at a
+    time). `chunked=False` (sharded gradients, which the partitioner would gather to loop
+    over) sums each leaf at once.
+    """
     safe = jnp.where(sums.weight > 0, sums.weight, 1.0)
-    grads = jax.tree.map(lambda g: g / (safe * scale), sums.grads)
+    # A product with one float32 factor, not a division: XLA recomputes a cheap element-wise
+    # producer inside each of its consumers but stores an expensive one (a division) whole.
+    factor = (1.0 if sums.unit is None else sums.unit) / (safe * scale)
+    grads = scaled(sums, factor)
     loss = sums.total / safe
-    # One finiteness check per update, on the accumulated gradient, before clipping.
-    return MeanGradient(grads, loss, sums.weight, all_finite(grads) & jnp.isfinite(loss))
+
+    def squares(x):
+        return jnp.sum(jnp.square(x.astype(jnp.float32)))
+
+    total = jnp.zeros((), jnp.float32)
+    for g in jax.tree.leaves(sums.grads):
+        if eqx.is_inexact_array(g):
+            total += _chunked(squares, g) if chunked else squares(g)
+    norm = jnp.sqrt(total) * jnp.abs(factor)
+    finite = jnp.isfinite(norm) & jnp.isfinite(loss)
+    return MeanGradient(grads, loss, sums.weight, finite, norm, factor)
+
+
+def scaled(sums: Sums, factor: Float[Array, ""]) -> Any:
+    """The accumulated gradient times `factor`, in float32 (element-wise: XLA forms it
+    inside its consumers)."""
+    return jax.tree.map(lambda g: g.astype(jnp.float32) * factor, sums.grads)
+
+
+CHUNK = 2**16
+
+
+def _chunked(fn: Callable[[Array], Array], x: Array) -> Array:
+    """The sum of `fn` over consecutive slices of `CHUNK` elements of `x` (flattened), read
+    in a scan by `dynamic_slice` (no slice of `x` is stored), and its remainder."""
+    flat = jnp.ravel(x)
+    n = flat.size // CHUNK
+    if n <= 1:
+        return fn(flat)
+
+    def body(total, i):
+        return total + fn(jax.lax.dynamic_slice_in_dim(flat, i * CHUNK, CHUNK)), None
+
+    total = jax.lax.scan(body, jnp.zeros((), jnp.float32), jnp.arange(n))[0]
+    return total + fn(flat[n * CHUNK :]) if flat.size % CHUNK else total
 
 
 def optimizer_update(
@@ -91,6 +143,58 @@ def apply_updates(params: Any, updates: Any, *, param_dtype: Any, key: PRNGKeyAr
 
 
 def if_finite(finite: Bool[Array, ""], apply: Callable[[], Any], old: Any) -> Any:
-    """`apply()` when `finite`, else `old` (same structure), without computing both at run
-    time: a `lax.cond`."""
+    """`apply()` where `finite`, else `old` (same structure), selected leaf by leaf.
+
+    Memory: a select is element-wise, so XLA computes each leaf's update, its rounding and
+    the select in one pass that writes the (donated) old buffer in place. A `lax.cond`
+    would compute the update only when it is applied, but stores every operand of its
+    branch whole first (the float32 mean gradient) and copies the state that the other
+    branch returns unchanged. Time: the update is computed on skipped steps too (rare: a
+    loss-scale overflow).
+    """
+    return select(finite, apply(), old)
+
+
+def if_finite_cond(finite: Bool[Array, ""], apply: Callable[[], Any], old: Any) -> Any:
+    """`apply()` when `finite`, else `old`, as a `lax.cond`: the update is computed only
+    when applied, but every operand of its branch is stored whole first and the state the
+    other branch returns is copied (see `if_finite`)."""
     return jax.lax.cond(finite, lambda _: apply(), lambda _: old, None)
+
+
+def select(finite: Bool[Array, ""], new: Any, old: Any) -> Any:
+    """`new` where `finite`, else `old`: `jnp.where` on each array leaf (see `if_finite`);
+    other leaves are `new`'s."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o) if eqx.is_array(n) else n, new, old)
+
+
+def _unsigned(dtype: Any) -> Any:
+    return {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[jnp.dtype(dtype).itemsize]
+
+
+def read_after(tree: Any, done: Any) -> Any:
+    """`tree`, bit for bit, but computed only once every floating array of `done` is.
+
+    XLA:CPU writes each output array of the step in a pass of its own. When the new
+    parameters' pass reads the old optimizer state (Adam recomputes its new moments from
+    the old ones there) and the new state overwrites the old in place, XLA must either
+    order the parameters' pass first or copy the whole old state at the start of the step
+    (Adam: twice the parameters' bytes, held through the step). It copies. Reading the old
+    state for the new state through this function orders it: each of its floating arrays
+    is OR-ed, bit for bit, with an unsigned zero that XLA cannot fold away
+    (`min(bits of an element of each array of done, 0)`).
+    """
+    zero = jnp.zeros((), jnp.uint32)
+    for x in jax.tree.leaves(done):
+        if eqx.is_inexact_array(x) and x.size:
+            first = jax.lax.bitcast_convert_type(jnp.ravel(x)[0], _unsigned(x.dtype))
+            zero = zero | jnp.minimum(first.astype(jnp.uint32), jnp.uint32(0))
+
+    def depend(a):
+        if not (eqx.is_inexact_array(a) and a.size):
+            return a
+        kind = _unsigned(a.dtype)
+        bits = jax.lax.bitcast_convert_type(a, kind) | zero.astype(kind)
+        return jax.lax.bitcast_convert_type(bits, a.dtype)
+
+    return jax.tree.map(depend, tree)
