@@ -3,6 +3,9 @@
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+
+from ._peak import Peak, argument_parts, compile_with_peak
 
 # XLA:CPU: LLVM's optimisation of the generated code is most of the compile time and does
 # not change buffer assignment, so every memory figure equals the default compilation's
@@ -12,30 +15,56 @@ _FIGURES = ("argument", "output", "temp", "alias")
 _HOST = ("host_argument", "host_output", "host_temp", "host_alias")
 
 
+def _options() -> dict[str, Any]:
+    return _FAST_CPU_COMPILE if jax.default_backend() == "cpu" else {}
+
+
 def _compile(lowered: Any) -> Any:
-    if jax.default_backend() != "cpu":
-        return lowered.compile()
     try:
-        return lowered.compile(compiler_options=_FAST_CPU_COMPILE)
+        return lowered.compile(compiler_options=_options())
     except Exception as e:  # an XLA without the option: compile as usual
         if "compile option" not in str(e):
             raise
         return lowered.compile()
 
 
-def compile_step(step: Any, state: Any, batch: tuple) -> tuple[Any, Any]:
+def compile_step(step: Any, state: Any, batch: tuple) -> tuple[Any, Any, Peak | None]:
     """Compile `step` for a state and batch of shapes without running it, and trace its jaxpr.
 
     The compiled step is `step.lower(state, batch).compile()`: the very program a call of
     the step runs, with the state donated (on XLA:CPU without LLVM's optimisation of the
     machine code, which leaves the buffers as they are). Nothing is allocated on the device.
+    XLA writes its buffer assignment to a temporary directory meanwhile (`_peak`).
 
     Returns:
-        `(jaxpr, compiled)`: the step's `ClosedJaxpr` (for `jaxpr_cost`) and the compiled
-        step (`memory_analysis()`, `cost_analysis()`).
+        `(jaxpr, compiled, peak)`: the step's `ClosedJaxpr` (for `jaxpr_cost`), the compiled
+        step (`memory_analysis()`, `cost_analysis()`), and what is live at its peak (None
+        where XLA's dump could not be read).
     """
     traced = step.trace(state, batch)
-    return traced.jaxpr, _compile(traced.lower())
+    parts = argument_parts([_STATE_PARTS.get(_field(path), "other") for path in
+                            _paths(state)])  # fmt: skip
+    sixteen = jnp.dtype(step.policy.compute_dtype).itemsize == 2
+    lowered = traced.lower()
+    try:
+        compiled, peak = compile_with_peak(lowered, _options(), parts, sixteen_bit=sixteen)
+    except Exception as e:  # an XLA without the option: compile as usual
+        if "compile option" not in str(e):
+            raise
+        compiled, peak = lowered.compile(), None
+    return traced.jaxpr, compiled, peak
+
+
+# The part of each field of a `TrainState` in the live set at the peak.
+_STATE_PARTS = {"model": "parameters", "model_state": "parameters", "opt_state": "optimizer"}
+
+
+def _paths(state: Any) -> list[Any]:
+    return [path for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+
+
+def _field(path: Any) -> str:
+    return str(getattr(path[0], "name", "")) if path else ""
 
 
 def memory_figures(compiled: Any) -> dict[str, int]:

@@ -89,7 +89,7 @@ def step_report(
     state = eqx.filter_eval_shape(
         lambda m, ms: step.init(m, key=key, model_state=ms), model, model_state
     )
-    jaxpr, compiled = compile_step(step, state, structs)
+    jaxpr, compiled, at_peak = compile_step(step, state, structs)
     figures = memory_figures(compiled)
 
     residuals, dtypes = micro_residuals(
@@ -212,6 +212,7 @@ def step_report(
         config=config,
         cost=jaxpr_cost(jaxpr),
         measured_peak_bytes=measured,
+        at_peak=None if at_peak is None else at_peak.parts(),
     )
 
 

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 from .._io import write_json
 from ._cost import Cost
+from ._peak import PEAK_LABELS
 from ._units import format_bytes
 
 # The parts of the predicted peak, in the order they are printed and stacked in plots.
@@ -116,6 +117,13 @@ class MemoryReport:
         measured_peak_bytes: with `measure=True`, the device's measured peak of one step
             (`peak_bytes_in_use`, less what was in use before the step's state was made);
             else None.
+        at_peak: what is live at the compiled step's peak, by part (`PEAK_PARTS` of
+            `eqx_lowmem.memory._peak`: parameters, optimizer state, gradients and
+            accumulator, saved activations, recomputed activations, backward-pass
+            temporaries, the backend's float32 copies of 16-bit arrays, update temporaries,
+            batch, other), read from XLA's buffer assignment; None where it could not be
+            read. Unlike `sizes` (every saved activation, every gradient), this is what
+            is held at one moment, and it includes the working set of recomputation.
     """
 
     sizes: dict[str, int]
@@ -129,6 +137,21 @@ class MemoryReport:
     config: dict[str, Any]
     cost: Cost
     measured_peak_bytes: int | None = None
+    at_peak: dict[str, int] | None = None
+
+    @property
+    def live_peak_bytes(self) -> int | None:
+        """The bytes XLA holds live at once at the compiled step's peak (the sum of
+        `at_peak`), or None where its buffer assignment could not be read. The compiled
+        peak (`peak_bytes`) adds what XLA's packing of temporaries into one block leaves
+        unused (`packing_bytes`)."""
+        return None if self.at_peak is None else sum(self.at_peak.values())
+
+    @property
+    def packing_bytes(self) -> int | None:
+        """`peak_bytes - live_peak_bytes`: room XLA's packing leaves between live buffers."""
+        live = self.live_peak_bytes
+        return None if live is None else self.peak_bytes - live
 
     @property
     def peak_bytes(self) -> int:
@@ -193,6 +216,9 @@ class MemoryReport:
             "residuals_by_dtype": self.residuals_by_dtype,
             "accelerator_peak_bytes": self.accelerator_peak_bytes,
             "measured_peak_bytes": self.measured_peak_bytes,
+            "at_peak": None if self.at_peak is None else dict(self.at_peak),
+            "live_peak_bytes": self.live_peak_bytes,
+            "packing_bytes": self.packing_bytes,
             "trusted": dict(self.trusted),
             "notes": list(self.notes),
             "cost": self.cost._asdict(),
@@ -253,6 +279,14 @@ class MemoryReport:
             f"    = argument {format_bytes(cm['argument'])} + output {format_bytes(cm['output'])}"
             f" + temp {format_bytes(cm['temp'])} - alias {format_bytes(cm['alias'])}",
         ]
+        if self.at_peak is not None:
+            lines.append(f"  {'live at the compiled peak (XLA buffer assignment)':<{_W}}"
+                         f"{format_bytes(self.live_peak_bytes or 0):>12}")  # fmt: skip
+            for part, n in self.at_peak.items():
+                if n:
+                    lines.append(f"    {PEAK_LABELS[part]:<{_W - 2}}{format_bytes(n):>12}")
+            lines.append(f"    {'unused room between them (packing)':<{_W - 2}}"
+                         f"{format_bytes(self.packing_bytes or 0):>12}")  # fmt: skip
         if self.host_bytes:
             lines.append(
                 f"  {'host memory (offloaded, not in the peak)':<{_W}}"
