@@ -632,18 +632,11 @@ def _dense_grads(model: Any, grad_fn: Callable[[Any], Any]) -> list[Array]:
     """The dense weight gradient of every sparse layer (stacked axes first), from the
     step's `grad_fn` at the densified model."""
     flat, _, where = _sparse_of(model)
-    paths = [jax.tree_util.keystr(flat[i][0]) for i in where]
     grads = grad_fn(densify(model))
-
-    def is_layer(x):
-        return isinstance(x, (eqx.nn.Linear, eqx.nn.Conv))
-
-    found = {
-        jax.tree_util.keystr(p): g.weight
-        for p, g in jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_layer)[0]
-        if is_layer(g)
-    }
-    return [found[p] for p in paths]
+    # Each sparse layer's dense layer (`to_dense`) sits at its path, its weight at `.weight`.
+    found = dict(jax.tree_util.tree_flatten_with_path(grads)[0])
+    weight = jax.tree_util.GetAttrKey("weight")
+    return [found[(*flat[i][0], weight)] for i in where]
 
 
 def set_(
