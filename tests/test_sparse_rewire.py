@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -443,3 +444,125 @@ def test_bad_arguments(getkey):
     )
     with pytest.raises(ValueError, match="no sparse layers"):
         sp.dsr()(state, Info(None, getkey(), None))
+
+
+# -- finding the optimizer state to zero ----------------------------------------------------
+
+
+def _values_only(params):
+    """True at the sparse layers' values, False at every other parameter."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: jax.tree_util.keystr(path).endswith(".values"), params
+    )
+
+
+def _labels(params):
+    return jax.tree.map(lambda v: "sparse" if v else "dense", _values_only(params))
+
+
+_LAID_OUT = {  # optimizer, and how many of its entries shadow each sparse layer's values
+    "masked": (optax.masked(optax.adam(1e-2), _values_only), 2),
+    "multi_transform": (
+        optax.multi_transform(
+            {"sparse": optax.adam(1e-2), "dense": optax.sgd(0.05, momentum=0.9)}, _labels
+        ),
+        2,
+    ),
+    "inject_hyperparams": (optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), 2),
+    "half_state": (el.precision.half_state(optax.adam(1e-2)), 2),
+}
+
+
+def _entries(opt_state, path):
+    """Every array in the optimizer state at a sparse layer's values `path` (below a
+    subtree shaped like the model)."""
+    return [
+        leaf
+        for p, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+        if jax.tree_util.keystr(p).endswith(path) and leaf.ndim == 1
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(_LAID_OUT))
+def test_grown_slots_get_zero_state_under_optimizer_wrappers(name, getkey):
+    # Under optax.masked and multi_transform the moments hold a MaskedNode where the
+    # optimizer sees no parameter; rewiring must still find them (it used to match only
+    # subtrees of exactly the parameters' structure and left grown slots stale there).
+    optimizer, per_layer = _LAID_OUT[name]
+    step = el.train.make_step(el.train.mse, optimizer, after_update=sp.set_(period=1))
+    state = step.init(_model(getkey()), key=getkey())
+    batch = _data(getkey())
+    for _ in range(3):
+        before = [np.asarray(x.positions()) for _, x in sp.sparse_layers(state.model)]
+        state, metrics = step(state, batch)
+        assert bool(metrics["finite"])
+    for (path, layer), old in zip(sp.sparse_layers(state.model), before, strict=True):
+        entries = _entries(state.opt_state, f"{path}.values")
+        assert len(entries) == per_layer, (path, len(entries))
+        now = np.asarray(layer.positions())
+        grown = (now < layer.size) & ~np.isin(now, old)
+        kept = (now < layer.size) & ~grown
+        assert grown.any() and kept.any()
+        assert np.all(np.asarray(layer.values, np.float32)[grown] == 0)
+        for entry in entries:
+            entry = np.asarray(entry, np.float32)
+            assert np.all(entry[grown] == 0), (path, entry[grown])
+            assert np.any(entry[kept] != 0)  # the slots kept keep their state
+
+
+class _FlatTrace(NamedTuple):
+    trace: Any
+
+
+def _flat_momentum():
+    """Momentum SGD keeping its state as one flat vector (per-slot state that is not laid
+    out like the parameters)."""
+
+    def init(params):
+        return _FlatTrace(jax.flatten_util.ravel_pytree(params)[0] * 0)
+
+    def update(updates, state, params=None):
+        del params
+        flat, unravel = jax.flatten_util.ravel_pytree(updates)
+        trace = 0.9 * state.trace + flat
+        return unravel(-0.05 * trace), _FlatTrace(trace)
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize(
+    "optimizer, match",
+    [
+        (_flat_momentum(), r"float32\[\d+\] at opt_state\.trace, outside every subtree"),
+        (optax.lbfgs(), r"opt_state\[0\]\.diff_params_memory\.layers\[0\]\.values is float32"),
+    ],
+)
+def test_optimizer_state_rewiring_cannot_find_is_refused(optimizer, match, getkey):
+    model = _model(getkey())
+    params = eqx.filter(model, eqx.is_inexact_array)
+    state = el.train.TrainState(
+        step=jnp.asarray(1, jnp.int32),
+        model=model,
+        opt_state=optimizer.init(params),
+        key=getkey(),
+    )
+    for hook in (sp.set_(period=1), sp.dsr(period=1)):
+        with pytest.raises(ValueError, match=match):
+            hook(state, Info(None, getkey(), None))
+
+
+def test_random_regrowth_that_cannot_place_every_weight_fails_loudly(getkey):
+    from eqx_lowmem.sparse._rewire import _grow_random
+
+    # 1,000 positions, 999 occupied: the one free position is drawn with probability
+    # 1/1000 per draw, so one round of one draw misses it.
+    size = 1000
+    indices = jnp.concatenate([jnp.arange(1, size, dtype=jnp.int32), jnp.full((1,), size)])
+    grow = eqx.filter_jit(_grow_random)
+    key = jr.PRNGKey(0)
+    assert int(jr.randint(jr.split(key)[1], (1,), 0, size)[0]) != 0  # the draw misses
+    with pytest.raises(Exception, match="without finding as many free positions"):
+        jax.block_until_ready(grow(indices, 1, key, size=size, draws=1, max_rounds=1))
+    # with rounds enough it places it
+    out, taken = grow(indices, 1, key, size=size, draws=64)
+    assert int(out[-1]) == 0 and bool(taken[-1])
