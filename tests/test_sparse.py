@@ -112,7 +112,7 @@ def test_slack_and_index_dtypes(getkey):
     assert np.all(np.asarray(first.values)[64:] == 0) and np.all(first.indices[64:] == 128)
     assert sp.index_dtype(127) == jnp.int8 and sp.index_dtype(128) == jnp.int16
     assert sp.index_dtype(32767) == jnp.int16 and sp.index_dtype(32768) == jnp.int32
-    assert sp.stats(sparse).index_bytes == 96 * 2 + 48 * 1 + 2 * 4
+    assert sp.stats(sparse).index_bytes == 96 * 2 + 48 * 1
 
 
 def _same(a, b):
@@ -184,10 +184,10 @@ def test_bit_set_storage_of_stacked_layers_and_its_bytes(getkey):
     _same(run(bits, x), run(kept, x))
     densify = eqx.filter_jit(sp.densify)
     _same(densify(bits), densify(kept))
-    # int16 indices: 2 bytes a slot; bits: 1/8 byte a dense weight (and the threshold words)
+    # int16 indices: 2 bytes a slot; bits: 1/8 byte a dense weight
     s_kept, s_bits = sp.stats(kept), sp.stats(bits)
-    assert s_kept.index_bytes == 2 * s_kept.capacity + 4 * s_kept.layers
-    assert s_bits.index_bytes == s_bits.size // 8 + 4 * s_bits.layers
+    assert s_kept.index_bytes == 2 * s_kept.capacity
+    assert s_bits.index_bytes == s_bits.size // 8
     with pytest.raises(ValueError, match=r"storage='bitset'; expected one of"):
         sp.sparsify(enc, 0.3, key=key, storage="bitset")
     with pytest.raises(ValueError, match=r"must have shape \(3, 96\).*got \(3, 95\)"):
@@ -201,7 +201,6 @@ def test_stacked_layers_of_the_encoder(getkey):
     assert len(paths) == 4 and all(p.endswith(("qkv", "proj", "ff1", "ff2")) for p in paths)
     qkv = sparse.blocks.qkv
     assert qkv.stack_shape == (3,) and qkv.values.shape == (3, qkv.capacity)
-    assert qkv.threshold_exp.shape == (3,)
     # each layer of the stack has its own positions, the same count
     assert not np.array_equal(qkv.indices[0], qkv.indices[1])
     np.testing.assert_array_equal(qkv.nnz(), [round(0.3 * qkv.size)] * 3)
@@ -224,7 +223,6 @@ def test_sixteen_bit_values_keep_integer_indices(getkey):
     half = el.precision.get_policy("half_bf16").cast_to_param(net)
     layer = half.layers[0]
     assert layer.values.dtype == jnp.bfloat16 and layer.indices.dtype == jnp.int16
-    assert layer.threshold_exp.dtype == jnp.int32
     y = half(jnp.ones(8, jnp.bfloat16))
     assert y.dtype == jnp.bfloat16 and y.shape == (4,)
 
@@ -260,7 +258,6 @@ def test_bad_inputs(getkey):
             values=jnp.zeros(3),
             indices=jnp.zeros(3),
             bias=None,
-            threshold_exp=jnp.zeros((), jnp.int32),
             in_features=2,
             out_features=2,
             use_bias=False,
@@ -339,7 +336,6 @@ class _SparseScale(_Sparse):
 
     values: jax.Array
     indices: jax.Array
-    threshold_exp: jax.Array
     features: int = eqx.field(static=True)
     bias: Any = None
     dense_rank = 1
@@ -353,8 +349,8 @@ class _SparseScale(_Sparse):
         return isinstance(layer, _Scale)
 
     @classmethod
-    def _from_slots(cls, layer, values, indices, threshold_exp):
-        return cls(values, indices, threshold_exp, layer.weight.shape[-1])
+    def _from_slots(cls, layer, values, indices):
+        return cls(values, indices, layer.weight.shape[-1])
 
     def to_dense(self):
         return _Scale(self.weight)

@@ -141,6 +141,7 @@ def test_invariants_after_rewiring_in_the_step(name, steps, getkey):
     after = [np.asarray(x.nnz()) for _, x in sp.sparse_layers(state.model)]
     if name == "dsr":
         assert sum(int(a.sum()) for a in after) == sum(int(b.sum()) for b in before)
+        assert state.hook_state.threshold_exp.shape == ()  # one H for the whole model
         assert any(not np.array_equal(a, b) for a, b in zip(after, before, strict=True))
     else:
         for a, b in zip(after, before, strict=True):
@@ -223,7 +224,6 @@ def test_dsr_threshold_rule_on_a_hand_made_set():
             values=jnp.asarray(v),
             indices=jnp.asarray(indices),
             bias=None,
-            threshold_exp=jnp.zeros((), jnp.int32),
             in_features=4,
             out_features=4,
             use_bias=False,
@@ -233,20 +233,23 @@ def test_dsr_threshold_rule_on_a_hand_made_set():
     b = layer([0.9, -0.8, 0.0009, 0.6, 0.5, 0.4], [10, 11, 12, 13, 14, 15])
     model = (a, b)
     momentum = jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_inexact_array))
+    dsr = sp.dsr(period=100, fraction=0.1, threshold=1e-3, tolerance=0.1)
     state = el.train.TrainState(
         step=jnp.asarray(100, jnp.int32),
         model=model,
         opt_state=(optax.TraceState(trace=momentum), optax.EmptyState()),
         key=jr.PRNGKey(0),
+        hook_state=dsr.init(model),  # H as one scalar for the whole model
     )
+    assert state.hook_state == sp.DSRState(jnp.int32(0))
     # H = 1e-3 prunes |w| < 1e-3: a's 0.0005 and -0.0001, b's 0.0009 (3 weights). The
     # target is fraction * 32 = 3.2 weights, so 3 < (1 - 0.1) * 3.2 = 2.88 is false and
     # 3 > 3.52 is false: H stays.
     # jitted, as in a step (and one compilation a structure, not one per operation)
-    hook = eqx.filter_jit(sp.dsr(period=100, fraction=0.1, threshold=1e-3, tolerance=0.1))
+    hook = eqx.filter_jit(dsr)
     new = hook(state, Info(None, jr.PRNGKey(1), None))
     na, nb = new.model
-    assert int(na.threshold_exp) == 0 and int(nb.threshold_exp) == 0
+    assert int(new.hook_state.threshold_exp) == 0
     for old, lay in ((a, na), (b, nb)):
         kept = {int(i): float(v) for i, v in zip(old.indices, old.values, strict=True) if i < 16}
         now = {int(i): float(v) for i, v in zip(lay.indices, lay.values, strict=True) if i < 16}
@@ -271,13 +274,20 @@ def test_dsr_threshold_rule_on_a_hand_made_set():
     # Too few pruned: H doubles. 1 weight below 1e-3 in a set where the target is 3.2.
     few = (layer([0.0005, 0.5], [0, 1]), layer([0.9], [3]))
     st = el.train.TrainState(
-        step=jnp.asarray(100, jnp.int32), model=few, opt_state=(), key=jr.PRNGKey(0)
+        step=jnp.asarray(100, jnp.int32),
+        model=few,
+        opt_state=(),
+        key=jr.PRNGKey(0),
+        hook_state=dsr.init(few),
     )
     out = hook(st, Info(None, jr.PRNGKey(2), None))
-    assert int(out.model[0].threshold_exp) == 1 and int(out.model[1].threshold_exp) == 1
+    assert int(out.hook_state.threshold_exp) == 1
+    # ... and the next rewiring prunes below the doubled H (2e-3: 0.0005 only, too few
+    # again, so H doubles once more); a rewiring reads H from the state it is given.
+    assert int(hook(out, Info(None, jr.PRNGKey(3), None)).hook_state.threshold_exp) == 2
     # Too many pruned: H halves (target 0.01 * 32 = 0.32 weights, 1 pruned).
     out = eqx.filter_jit(sp.dsr(period=100, fraction=0.01))(st, Info(None, jr.PRNGKey(2), None))
-    assert int(out.model[0].threshold_exp) == -1
+    assert int(out.hook_state.threshold_exp) == -1
     # Not a rewiring step: nothing changes.
     off = dataclasses.replace(st, step=jnp.asarray(101, jnp.int32))
     same = hook(off, Info(None, jr.PRNGKey(2), None))
@@ -444,6 +454,13 @@ def test_bad_arguments(getkey):
     )
     with pytest.raises(ValueError, match="no sparse layers"):
         sp.dsr()(state, Info(None, getkey(), None))
+    with pytest.raises(ValueError, match="no sparse layers"):  # at init, before any step
+        el.train.make_step(el.train.mse, optax.sgd(0.1), after_update=sp.dsr()).init(
+            dense, key=getkey()
+        )
+    sparse = dataclasses.replace(state, model=_model(getkey()))
+    with pytest.raises(ValueError, match=r"hook_state=hook.init\(model\)\); got hook_state=None"):
+        sp.dsr()(sparse, Info(None, getkey(), None))
 
 
 # -- finding the optimizer state to zero ----------------------------------------------------
@@ -540,13 +557,14 @@ def _flat_momentum():
 def test_optimizer_state_rewiring_cannot_find_is_refused(optimizer, match, getkey):
     model = _model(getkey())
     params = eqx.filter(model, eqx.is_inexact_array)
-    state = el.train.TrainState(
-        step=jnp.asarray(1, jnp.int32),
-        model=model,
-        opt_state=optimizer.init(params),
-        key=getkey(),
-    )
     for hook in (sp.set_(period=1), sp.dsr(period=1)):
+        state = el.train.TrainState(
+            step=jnp.asarray(1, jnp.int32),
+            model=model,
+            opt_state=optimizer.init(params),
+            key=getkey(),
+            hook_state=hook.init(model) if hasattr(hook, "init") else None,
+        )
         with pytest.raises(ValueError, match=match):
             hook(state, Info(None, getkey(), None))
 

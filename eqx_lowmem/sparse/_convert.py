@@ -239,8 +239,8 @@ class SparseStats(NamedTuple):
         nnz: occupied slots.
         density: `nnz / size` (1.0 for a model without sparse layers).
         value_bytes: bytes of their values (all slots).
-        index_bytes: bytes of their indices and threshold exponents (integers: parameters
-            too, though no optimizer sees them).
+        index_bytes: bytes of their indices (integers: parameters too, though no optimizer
+            sees them).
     """
 
     layers: int
@@ -267,7 +267,7 @@ def stats(model: PyTree) -> SparseStats:
         >>> net = sparsify(el.nn.mlp([8, 16, 4], key=jr.PRNGKey(0)), 0.5, key=jr.PRNGKey(1))
         >>> s = stats(net)
         >>> s.size, s.nnz, s.index_bytes
-        (192, 96, 168)
+        (192, 96, 160)
     """
     layers = sparse_layers(model)
     n = size = capacity = nnz = value_bytes = index_bytes = 0
@@ -278,7 +278,7 @@ def stats(model: PyTree) -> SparseStats:
         capacity += x.capacity * count
         nnz += int(jnp.sum(x.nnz()))
         value_bytes += x.values.size * x.values.dtype.itemsize
-        index_bytes += x.indices.size * x.indices.dtype.itemsize + x.threshold_exp.size * 4
+        index_bytes += x.indices.size * x.indices.dtype.itemsize
     return SparseStats(
         n, size, capacity, nnz, nnz / size if size else 1.0, value_bytes, index_bytes
     )

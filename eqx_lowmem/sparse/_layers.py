@@ -488,7 +488,7 @@ def _with_weight(skeleton: Any, layer: "_Sparse") -> Any:
 
 
 class _Sparse(eqx.Module):
-    """What every sparse layer has: values, indices and DSR's threshold exponent.
+    """What every sparse layer has: values and indices.
 
     A sparse layer type is one subclass: its fields, `weight_shape`, `__call__`, the rank
     of one dense weight (`dense_rank`), and its conversions: `converts` (which dense
@@ -506,7 +506,7 @@ class _Sparse(eqx.Module):
         return False
 
     @classmethod
-    def _from_slots(cls, layer: Any, values: Array, indices: Array, threshold_exp: Array) -> Any:
+    def _from_slots(cls, layer: Any, values: Array, indices: Array) -> Any:
         """The sparse layer from the dense `layer`'s other fields and the slots kept."""
         raise NotImplementedError
 
@@ -547,8 +547,7 @@ class _Sparse(eqx.Module):
             )
         check_key(key, f"{cls.__name__}.from_dense")
         values, indices = _slots_of(layer.weight, cls.dense_rank, density, key, capacity, storage)
-        exp = jnp.zeros(values.shape[:-1], jnp.int32)
-        return cls._from_slots(layer, values, indices, exp)
+        return cls._from_slots(layer, values, indices)
 
     @property
     def weight_shape(self) -> tuple[int, ...]:
@@ -611,8 +610,7 @@ class SparseLinear(_Sparse):
 
     Build one with `SparseLinear.from_dense(linear, density, key=key)` or
     `eqx_lowmem.sparse.sparsify(model, density, key=key)`. Trainable leaves: `values` and
-    `bias`; `indices` and `threshold_exp` are integers (not touched by optimizers; rewiring
-    hooks change them).
+    `bias`; `indices` are integers (not touched by optimizers; rewiring hooks change them).
 
     Memory per slot: the value (4 or 2 bytes), the optimizer's state for it (Adam: 8 bytes in
     float32) and the index (1, 2 or 4 bytes, `index_dtype`; or, as a bit set, one bit per
@@ -627,8 +625,6 @@ class SparseLinear(_Sparse):
             `storage="bits"`, a bit set `(..., ceil(size / 8))` uint8 (slots in the order
             of their positions, empty ones last; `positions()` derives them).
         bias: `(..., out_features)` dense bias, or None.
-        threshold_exp: `(...)` int32, DSR's pruning threshold as `initial * 2**threshold_exp`
-            (Mostafa and Wang double or halve it); 4 bytes a layer, unused by SET and RigL.
         in_features, out_features, use_bias: as `eqx.nn.Linear`.
 
     Example:
@@ -642,7 +638,6 @@ class SparseLinear(_Sparse):
     values: Array
     indices: Array
     bias: Array | None
-    threshold_exp: Array
     in_features: int | Literal["scalar"] = eqx.field(static=True)
     out_features: int | Literal["scalar"] = eqx.field(static=True)
     use_bias: bool = eqx.field(static=True)
@@ -663,12 +658,11 @@ class SparseLinear(_Sparse):
         return isinstance(layer, eqx.nn.Linear)
 
     @classmethod
-    def _from_slots(cls, layer, values, indices, threshold_exp) -> "SparseLinear":
+    def _from_slots(cls, layer, values, indices) -> "SparseLinear":
         return cls(
             values=values,
             indices=indices,
             bias=layer.bias,
-            threshold_exp=threshold_exp,
             in_features=layer.in_features,
             out_features=layer.out_features,
             use_bias=layer.use_bias,
@@ -732,7 +726,7 @@ class SparseConv2d(_Sparse):
     backward pass.
 
     Attributes:
-        values, indices, threshold_exp: as `SparseLinear`.
+        values, indices: as `SparseLinear`.
         bias: `(..., out_channels, 1, 1)` dense bias, or None.
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
         use_bias, padding_mode: as `eqx.nn.Conv2d`.
@@ -748,7 +742,6 @@ class SparseConv2d(_Sparse):
     values: Array
     indices: Array
     bias: Array | None
-    threshold_exp: Array
     in_channels: int = eqx.field(static=True)
     out_channels: int = eqx.field(static=True)
     kernel_size: tuple[int, ...] = eqx.field(static=True)
@@ -774,12 +767,11 @@ class SparseConv2d(_Sparse):
         return isinstance(layer, eqx.nn.Conv) and layer.num_spatial_dims == 2
 
     @classmethod
-    def _from_slots(cls, layer, values, indices, threshold_exp) -> "SparseConv2d":
+    def _from_slots(cls, layer, values, indices) -> "SparseConv2d":
         return cls(
             values=values,
             indices=indices,
             bias=layer.bias,
-            threshold_exp=threshold_exp,
             in_channels=layer.in_channels,
             out_channels=layer.out_channels,
             kernel_size=tuple(layer.kernel_size),

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -342,12 +342,13 @@ def _when(do: Array, fn: Callable, carry: Any, extra: Any) -> Any:
     return jax.lax.while_loop(lambda c: c[0], body, (do, carry))[1]
 
 
-def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -> Any:
-    """Rewire the sparse layers of `state` if `do`, strictly one layer after the other.
+def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -> tuple:
+    """Rewire the sparse layers of `state` if `do`, strictly one layer after the other;
+    returns the new state and what `plan` returned besides the plans.
 
     `plan(layers, do)` returns, per sparse layer, a small plan with the layer's
-    stacked-layer count as leading axis (anything when not `do`), and the layers' new
-    threshold exponent (or None to keep it). Then for each layer a loop of zero or one
+    stacked-layer count as leading axis (anything when not `do`), and anything else the
+    hook needs back (DSR: its new threshold exponent). Then for each layer a loop of zero or one
     trip (`_when`) runs `one(x, indices, plan, key, values) -> (indices, reset)` on every
     stacked layer (flat `(capacity,)` arrays), zeroes the values and every
     optimizer-state entry shadowing them at the `reset` slots, and puts the slots back in
@@ -360,7 +361,7 @@ def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -
     slots = _Slots(state)
     layers = slots.layers
     counts = [math.prod(x.stack_shape) for x in layers]
-    plans, exp = plan(list(layers), do)
+    plans, extra = plan(list(layers), do)
     for j, (x, n, k) in enumerate(zip(layers, counts, jr.split(keys, len(layers)), strict=True)):
         arrays = slots.get(j)
 
@@ -381,11 +382,8 @@ def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -
         carry = (_flat2(x.indices, n), *arrays)
         indices, *arrays = _when(do, rewired, carry, (plans[j], jr.split(k, n)))
         slots.set(j, arrays)
-        fields = {"indices": indices.reshape(x.indices.shape)}
-        if exp is not None:
-            fields["threshold_exp"] = jnp.broadcast_to(exp, x.threshold_exp.shape)
-        layers[j] = dataclasses.replace(slots.layers[j], **fields)
-    return slots.state(state)
+        layers[j] = dataclasses.replace(slots.layers[j], indices=indices.reshape(x.indices.shape))
+    return slots.state(state), extra
 
 
 def _if_updated(do: Array, info: Any) -> Array:
@@ -462,16 +460,17 @@ def _below(i: Array, v: Array, cut: Array, size: int) -> Array:
     return (i < size) & (jnp.abs(v).astype(jnp.float32) < cut)
 
 
-def _dsr_plan(layers: list, do: Array, *, threshold: float, fraction: float, tolerance: float):
+def _dsr_plan(
+    layers: list, do: Array, *, exp: Array, threshold: float, fraction: float, tolerance: float
+):
     """Mostafa and Wang's global decision, for `_rewire`: the count each layer regrows
     (freed weights across layers in proportion to survivors), the threshold it prunes
-    below, and the adapted threshold.
+    below (`threshold * 2**exp`), and the adapted exponent.
 
     Each layer's counts come from its own loop of zero or one trip, chained one after the
     other, so that only one layer's temporaries exist at a time; the layer's rewiring finds
     the same slots again from the values it carries (`_dsr_one`)."""
     counts = [math.prod(x.stack_shape) for x in layers]
-    exp = layers[0].threshold_exp.reshape(-1)[0]
     cut = threshold * jnp.exp2(exp.astype(jnp.float32))
 
     survivors, removed = [], []
@@ -566,12 +565,15 @@ def dsr(
             `period` updates for ever.
 
     Returns:
-        `hook(state, info) -> state`, for `make_step(..., after_update=hook)`.
+        `hook(state, info) -> state`, for `make_step(..., after_update=hook)`. `H` is the
+        hook's state between steps, one scalar in the training state
+        (`TrainState.hook_state`, a `DSRState`), which `hook.init(model)` makes and
+        `Step.init` calls.
 
     Raises:
         ValueError: for a non-positive `period`, `threshold` or `total_steps`, or a
-            `fraction` or `tolerance` outside (0, 1]; when first run, for a model without
-            sparse layers.
+            `fraction` or `tolerance` outside (0, 1]; at `init` or when first run, for a
+            model without sparse layers; when run on a state without its `DSRState`.
 
     Example:
         >>> hook = dsr(period=100, total_steps=10_000)
@@ -592,18 +594,57 @@ def dsr(
     if total_steps is not None:
         _check_int("total_steps", total_steps, 1)
 
-    def hook(state: Any, info: Any) -> Any:
+    return _DSR(period, fraction, threshold, tolerance, total_steps)
+
+
+class DSRState(NamedTuple):
+    """DSR's state between steps (`TrainState.hook_state`): its global pruning threshold
+    `H = threshold * 2**threshold_exp`, as the exponent (Mostafa and Wang double or halve
+    `H`); 4 bytes for the whole model."""
+
+    threshold_exp: Int[Array, ""]
+
+
+_NO_DSR_STATE = (
+    "dsr keeps its threshold in the training state's hook_state, which Step.init makes: "
+    "state = make_step(..., after_update=hook).init(model, key=key). A TrainState built "
+    "by hand needs TrainState(..., hook_state=hook.init(model)); got hook_state={!r}."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DSR:
+    """The hook `dsr` returns: `hook(state, info) -> state`, and `init(model)` for its
+    `DSRState`."""
+
+    period: int
+    fraction: float
+    threshold: float
+    tolerance: float
+    total_steps: int | None
+
+    def init(self, model: Any) -> DSRState:
+        """DSR's part of the training state: `H` at its initial `threshold`."""
+        _sparse_of(model)  # a clear error for a dense model, before any step
+        return DSRState(jnp.zeros((), jnp.int32))
+
+    def __call__(self, state: Any, info: Any) -> Any:
         _sparse_of(state.model)  # a clear error for a dense model, before tracing more
-        p = _dsr_period(state.step, period, total_steps)
+        hook_state = getattr(state, "hook_state", None)
+        if not isinstance(hook_state, DSRState):
+            raise ValueError(_NO_DSR_STATE.format(hook_state))
+        p = _dsr_period(state.step, self.period, self.total_steps)
         do = _if_updated((p > 0) & (state.step % jnp.maximum(p, 1) == 0), info)
-
         plan = functools.partial(
-            _dsr_plan, threshold=threshold, fraction=fraction, tolerance=tolerance
+            _dsr_plan,
+            exp=hook_state.threshold_exp,
+            threshold=self.threshold,
+            fraction=self.fraction,
+            tolerance=self.tolerance,
         )
-        one = functools.partial(_dsr_one, fraction=fraction)
-        return _rewire(state, do, plan, one, info.key)
-
-    return hook
+        one = functools.partial(_dsr_one, fraction=self.fraction)
+        new, exp = _rewire(state, do, plan, one, info.key)
+        return dataclasses.replace(new, hook_state=DSRState(exp))
 
 
 # -- SET and RigL -------------------------------------------------------------------------
@@ -696,7 +737,7 @@ def _swap_hook(
                 ni, taken = _grow_random(pi, count, key, size=x.size, draws=k_max)
             return ni, prune | taken
 
-        return _rewire(state, do, plan, one, info.key)
+        return _rewire(state, do, plan, one, info.key)[0]
 
     return hook
 
