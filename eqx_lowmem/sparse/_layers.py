@@ -42,12 +42,12 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..nn._conv import (
     Conv,
-    batched_on_top,
     conv_forward,
     conv_input_grad,
     conv_weight_grad,
     explicit_padding,
 )
+from ..nn._trace import batched_on_top
 
 _INDEX_DTYPES = (jnp.int8, jnp.int16, jnp.int32)
 
