@@ -188,9 +188,13 @@ class Stack(eqx.Module):
         if batch is not None:
             return run(x, state, key, batch)
         if self.stateful:
+            why = "a stateful stack is fused only through stack.batched(x, states, ...)"
+            fusion.decline([leaves[n] for n in floats], why)
             return None
         batched = batched_on_top(x)
-        if batched is None:  # this JAX cannot tell (eqx_lowmem.nn._trace): unfused
+        if batched is None:
+            why = "this JAX does not tell whether jax.vmap is innermost (eqx_lowmem.nn._trace)"
+            fusion.decline([leaves[n] for n in floats], why)
             return None
         if not batched:
             # One example, no vmap: the fused loop over a batch of one.
