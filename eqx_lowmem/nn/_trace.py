@@ -23,7 +23,7 @@ def batched_on_top(tree: Any) -> bool | None:
     None where this JAX gives no answer (its internals moved): every caller then takes
     its plain per-example path, correct everywhere, without the batch-level rule (a
     slower convolution, no fused accumulation)."""
-    if _find_top_trace is None:
+    if _find_top_trace is None or _BatchTrace is None:
         return None
     try:
         return isinstance(_find_top_trace(jax.tree.leaves(tree)), _BatchTrace)

@@ -252,7 +252,7 @@ class SparseStats(NamedTuple):
     index_bytes: int
 
 
-def sparse_layers(model: PyTree) -> list[tuple[str, eqx.Module]]:
+def sparse_layers(model: PyTree) -> list[tuple[str, Any]]:
     """`(path, layer)` for every sparse layer of `model`, in pytree order."""
     flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_sparse)
     return [(_path_str(p), x) for p, x in flat if is_sparse(x)]
