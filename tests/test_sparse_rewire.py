@@ -486,8 +486,7 @@ _LAID_OUT = {  # optimizer, and how many of its entries shadow each sparse layer
         2,
     ),
     "inject_hyperparams": (optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), 2),
-    "half_state": (el.precision.half_state(optax.adam(1e-2)), 2),
-}
+}  # the 16-bit state (half_state): test_optimizer_state_zeroed_for_chains_and_half_state
 
 
 def _entries(opt_state, path):
