@@ -24,7 +24,9 @@ the median. Groups and goals (issue 13):
   peak of every `make_step` configuration: within 5% (the paper's profiler: 5% / 11%).
 - `stream/*`: the whole-batch float32 step fed from a `DataStream` over `.npy` memory maps
   (globally shuffled) with `prefetch`, against the same step on batches already on the
-  device: at least 0.95x the steps/s.
+  device: at least 0.95x the steps/s. And the `Trainer` over the same stream with its data
+  check (`check_data=True`, on the host before each transfer) against without: at least
+  0.95x the updates/s (the check used to copy every device batch back and wait for it).
 - `fsdp/*`: the guide's encoder with Adam and full remat, replicated against
   `make_step(..., mesh=..., shard="fsdp")` over every local device.
 - `sparse/*`: an MLP of 1024-wide layers and the guide's encoder (Adam), dense against 30%
@@ -124,6 +126,8 @@ CONFIGS: dict[str, dict] = {
     "accumulate/multisteps_k4": {"kind": "multisteps", "accumulate": 4},
     "stream/resident": {"kind": "stream", "source": "resident"},
     "stream/memmap_prefetch": {"kind": "stream", "source": "memmap"},
+    "stream/trainer_unchecked": {"kind": "stream", "source": "memmap", "trainer": False},
+    "stream/trainer_checked": {"kind": "stream", "source": "memmap", "trainer": True},
     "attention/chunked": {"kind": "transformer", "precision": "mixed_bf16", "attention": "chunked"},
     "attention/xla": {"kind": "transformer", "precision": "mixed_bf16", "attention": "xla"},
     "attention/full_chunked": {
@@ -170,6 +174,7 @@ GOALS = {
     "mixed_bf16_peak": ("precision/mixed_bf16", NONE, "peak", "<=", 0.60),
     "mixed_bf16_speed": ("precision/mixed_bf16", NONE, UPS, ">=", 1.80),
     "stream_vs_resident": ("stream/memmap_prefetch", "stream/resident", UPS, ">=", 0.95),
+    "check_data_stall": ("stream/trainer_checked", "stream/trainer_unchecked", UPS, ">=", 0.95),
 }
 REPORT_TOLERANCE = 0.05
 # Loss and gradient norm of the first update, relative, between configurations computing
@@ -468,6 +473,18 @@ def stream_worker(name: str, spec: dict, sizes: dict) -> dict:
             _ready(holder[0])
             return count
 
+        if "trainer" in spec:  # the Trainer's own loop, its data check on or off
+            trainer = el.train.Trainer(
+                _encoder(cfg, jr.PRNGKey(0)), el.train.mse, optax.sgd(SGD_LR),
+                check_data=spec["trainer"], progress=False,
+            )  # fmt: skip
+
+            def epoch() -> int:
+                before = trainer.updates
+                trainer.fit(epochs=1, key=jr.PRNGKey(1), stream=stream)
+                _ready(trainer.state)
+                return trainer.updates - before
+
         t0 = time.perf_counter()
         steps = epoch()  # compiles
         out = {"first_epoch_s": time.perf_counter() - t0, "steps_per_epoch": steps}
@@ -480,6 +497,8 @@ def stream_worker(name: str, spec: dict, sizes: dict) -> dict:
         if spec["source"] == "resident"
         else ("DataStream(.npy memmaps, key=0: global shuffle).prefetch(depth=2)")
     )
+    if "trainer" in spec:
+        out["order"] = f"Trainer.fit(stream=that stream, check_data={spec['trainer']})"
     out["memory_stats"] = _memory_stats()
     return out
 
@@ -723,7 +742,7 @@ TABLES = {
         ["attention/chunked", "attention/xla", "precision/mixed_bf16"]
         + ["attention/full_chunked", "attention/full_cudnn"],
     ),
-    "stream": ("stream/resident", ["stream/resident", "stream/memmap_prefetch"]),
+    "stream": ("stream/resident", [n for n in CONFIGS if n.startswith("stream/")]),
     "fsdp": ("fsdp/replicated", ["fsdp/replicated", "fsdp/fsdp"]),
     "sparse_mlp": ("sparse/mlp_dense", ["sparse/mlp_dense", "sparse/mlp_30"]),
     "sparse_encoder": ("sparse/encoder_dense", ["sparse/encoder_dense", "sparse/encoder_30"]),

@@ -19,6 +19,7 @@ from eqx_lowmem.nn._conv import conv2d
 from .helpers import tree_allclose
 
 CANONICAL = "b01f_01io->b01f"  # NHWC input, HWIO kernel, NHWC output
+CANONICAL_HLO = "[b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f]"  # the same, as StableHLO says it
 
 
 def _f64(a):
@@ -226,3 +227,97 @@ def test_stateful_stack_batched_shares_the_batch_statistics(getkey, segment):
     assert tree_allclose(y, expected_y, rtol=1e-5, atol=1e-6)
     assert tree_allclose(new_states, expected_states, rtol=1e-5, atol=1e-6)
     assert not tree_allclose(new_states, states)  # the statistics moved
+
+
+_CONFIGS = [  # c_in, c_out, kernel, stride, padding, dilation, size
+    (3, 5, 3, 1, ((1, 1), (1, 1)), 1, 9),
+    (4, 6, 3, 2, ((1, 1), (1, 1)), 1, 9),
+    (4, 6, 1, 2, ((0, 0), (0, 0)), 1, 8),
+    (2, 3, 3, 1, ((2, 2), (2, 2)), 2, 10),
+    (2, 3, 5, 3, ((1, 2), (0, 3)), 1, 12),
+]
+
+
+@pytest.mark.parametrize("c_in, c_out, kernel, stride, padding, dilation, size", _CONFIGS)
+def test_the_non_cpu_convolution_equals_the_cpu_one(
+    getkey, c_in, c_out, kernel, stride, padding, dilation, size
+):
+    # The branches `conv_forward`, `conv_input_grad` and `conv_weight_grad` choose from at
+    # lowering: canonical on CPU, XLA's own NCHW convolution and transposes elsewhere.
+    # Both run here, on the CPU, and against JAX's own gradient of the convolution.
+    conv = ((stride, stride), padding, (dilation, dilation))
+    x = jr.normal(getkey(), (4, c_in, size, size))
+    w = jr.normal(getkey(), (c_out, c_in, kernel, kernel))
+    y, vjp = jax.vjp(lambda x, w: conv_module._xla_forward(x, w, conv), x, w)
+    g = jr.normal(getkey(), y.shape)
+    dx, dw = vjp(g)
+    pairs = [
+        (conv_module._canonical_forward(x, w, conv), conv_module._xla_forward(x, w, conv), y),
+        (
+            conv_module._canonical_input_grad(g, w, x.shape[2:], conv),
+            conv_module._xla_input_grad(g, w, x.shape[2:], conv),
+            dx,
+        ),
+        (
+            conv_module._canonical_weight_grad(x, g, w.shape[2:], conv),
+            conv_module._xla_weight_grad(x, g, w.shape[2:], conv),
+            dw,
+        ),
+    ]
+    for cpu, other, jax_own in pairs:
+        assert tree_allclose(other, jax_own, rtol=1e-5, atol=1e-5)
+        assert tree_allclose(cpu, other, rtol=1e-5, atol=1e-5)
+
+
+def _exported_convolutions(fn, args, platform):
+    """The convolutions' dimension numbers in `fn` lowered for `platform` (lowering only:
+    no such device is needed)."""
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), args)
+    text = jax.export.export(jax.jit(fn), platforms=[platform])(*specs).mlir_module()
+    return re.findall(r"stablehlo\.convolution\(.*dim_numbers = (\[.*?\]x\[.*?\]->\[.*?\])", text)
+
+
+def test_a_gpu_program_runs_xla_own_convolutions(getkey):
+    # Lowered for CUDA, the WRN's convolutions (dense and sparse, forward and both
+    # gradients) are exactly those of JAX's own gradient of eqx.nn.Conv2d: no CPU layout.
+    dense = eqx.nn.Conv2d(4, 6, 3, stride=2, padding=1, key=getkey())
+    sparse = sp.SparseConv2d.from_dense(dense, 0.5, key=getkey())
+    x = jr.normal(getkey(), (2, 4, 8, 8))
+
+    def convolutions(layer, apply, platform):
+        params, static = eqx.partition(layer, eqx.is_inexact_array)
+
+        def loss(params, x):
+            layer = eqx.combine(params, static)
+            return jnp.sum(jnp.sin(jax.vmap(lambda e: apply(layer, e))(x)))
+
+        return _exported_convolutions(jax.grad(loss, argnums=(0, 1)), (params, x), platform)
+
+    own = convolutions(dense, lambda c, e: c(e), "cuda")
+    assert len(own) == 3 and CANONICAL_HLO not in own, own
+    for layer in (dense, sparse):
+        ours = convolutions(layer, conv2d, "cuda")
+        assert sorted(ours) == sorted(own), (type(layer).__name__, ours)
+        # the same program lowered for the CPU is canonical throughout
+        cpu = convolutions(layer, conv2d, "cpu")
+        assert len(cpu) == 3 and set(cpu) == {CANONICAL_HLO}, cpu
+
+
+def test_this_jax_tells_when_vmap_is_innermost():
+    # The one reading of JAX's internals (eqx_lowmem.nn._trace): when they move it answers
+    # None and every layer takes its plain path (correct, but without the batch-level
+    # convolution or fused accumulation), so this test fails first.
+    from eqx_lowmem.nn._trace import batched_on_top
+
+    seen = []
+
+    def record(x):
+        seen.append(batched_on_top({"x": x}))
+        return x
+
+    jax.vmap(record)(jnp.ones(3))  # vmap innermost
+    jax.grad(lambda x: jnp.sum(jax.vmap(record)(x)))(jnp.ones(3))  # grad of vmap
+    jax.vmap(jax.grad(lambda x: jnp.sum(record(x))))(jnp.ones((3, 2)))  # grad inside vmap
+    jax.jit(record)(jnp.ones(3))
+    record(jnp.ones(3))
+    assert seen == [True, True, False, False, False], seen

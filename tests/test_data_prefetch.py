@@ -35,6 +35,34 @@ def test_sharding():
         assert x.sharding == sharding
 
 
+@pytest.mark.parametrize("through", ["stream", "function"])
+def test_a_check_sees_the_host_arrays_before_the_transfer_and_stops_at_its_batch(through):
+    # The Trainer's data check runs here: on the host, in the thread, never on arrays the
+    # device holds (which would copy them back and wait for the device).
+    seen = []
+
+    def check(batch):
+        seen.append((threading.current_thread().name, [type(a) for a in batch]))
+        if batch[0][0] == 8:
+            raise ValueError("bad batch 3")
+
+    stream = DataStream((np.arange(12, dtype=np.float32),), 4)
+    if through == "stream":
+        batches = stream.prefetch(check=check)
+    else:
+        batches = prefetch(iter(DataStream((np.arange(12, dtype=np.float32),), 4)), check=check)
+    got = []
+    with pytest.raises(ValueError, match="bad batch 3"):
+        for (x,) in batches:
+            assert isinstance(x, jax.Array)
+            got.append(np.asarray(x).tolist())
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the batches before the bad one
+    assert seen == [(THREAD, [np.ndarray])] * 3
+    if through == "stream":
+        assert stream.state()["batch"] == 2  # the bad batch was not served
+    assert not prefetch_threads()
+
+
 def test_an_error_in_the_thread_is_raised_at_its_batch():
     def batches():
         yield np.zeros(2)

@@ -185,3 +185,67 @@ def test_a_sparse_wide_resnet_with_batchnorm_trains_the_same(depth, remat):
     _assert_same(out[True].model_state, out[False].model_state)
     structs = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(y.shape, y.dtype))
     assert fused_slots(step, out[True].model, structs, model_state=bn)  # the groups' stacks
+
+
+# -- fusion says when it does not apply ------------------------------------------------------
+
+
+def _copying_loss(model, x, y):
+    # The loss makes new arrays from the model's before calling it (here an exact copy):
+    # the stack then holds no parameter the step differentiates, so it cannot be fused.
+    model = jax.tree.map(lambda a: a * jnp.ones((), a.dtype) if eqx.is_inexact_array(a) else a,
+                         model)  # fmt: skip
+    return el.train.mse(model, x, y)
+
+
+def test_a_stack_the_loss_copies_is_not_fused_and_the_step_says_why():
+    blocks = el.nn.stack(lambda k: Residual(key=k), 3, key=jr.PRNGKey(0), remat=True)
+    x = jr.normal(jr.PRNGKey(1), (8, 16))
+    match = (
+        r"fused accumulation does not reach a stack of 2 arrays \(the first "
+        r"float32\[3, 16, 16\]\).*made new ones from them"
+    )
+    with pytest.warns(el.nn.FusionWarning, match=match):
+        fused, step = _train(blocks, _copying_loss, (x, x), fuse=True, accumulate=4)
+    plain, _ = _train(blocks, _copying_loss, (x, x), fuse=False, accumulate=4)  # no warning
+    _assert_same(fused.model, plain.model)
+
+
+class _Counting(eqx.Module):
+    """A stateful block whose state counts its calls (the same for every example)."""
+
+    linear: eqx.nn.Linear
+
+    def __call__(self, x, state, *, key=None):
+        return x + jnp.tanh(self.linear(x)), state + 1
+
+
+def _stateful(batched):
+    def loss(model, state, x, y):
+        if batched:
+            h, state = model.batched(x, state)
+        else:
+            h, state = jax.vmap(model, in_axes=(0, None), out_axes=(0, None))(x, state)
+        return jnp.mean((h - y) ** 2, axis=-1), state
+
+    return loss
+
+
+def test_a_stateful_stack_called_per_example_is_not_fused_and_the_step_says_why():
+    def make(k):
+        return _Counting(eqx.nn.Linear(16, 16, key=k)), jnp.zeros((), jnp.int32)
+
+    blocks, states = el.nn.stack(make, 3, key=jr.PRNGKey(0), remat=True, stateful=True)
+    x = jr.normal(jr.PRNGKey(1), (8, 16))
+    out = {}
+    for batched in (False, True):
+        step = el.train.make_step(_stateful(batched), optax.sgd(0.1), has_state=True,
+                                  accumulate=2)  # fmt: skip
+        state = step.init(blocks, key=jr.PRNGKey(2), model_state=states)
+        if batched:  # through stack.batched: fused, and nothing to say
+            state, _ = step(state, (x, x))
+        else:
+            with pytest.warns(el.nn.FusionWarning, match=r"only through stack\.batched"):
+                state, _ = step(state, (x, x))
+        out[batched] = state
+    _assert_same(out[True].model, out[False].model)

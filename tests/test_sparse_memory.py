@@ -111,6 +111,7 @@ def _peak_with_hook_after_the_update(model, hook):
         model=model,
         opt_state=opt.init(eqx.filter(model, eqx.is_inexact_array)),
         key=jr.PRNGKey(0),
+        hook_state=None if hook is None else hook.init(model),  # DSR's threshold
     )
     arrays, static = eqx.partition(state, eqx.is_array)
     arrays = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)

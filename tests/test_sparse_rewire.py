@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -140,6 +141,7 @@ def test_invariants_after_rewiring_in_the_step(name, steps, getkey):
     after = [np.asarray(x.nnz()) for _, x in sp.sparse_layers(state.model)]
     if name == "dsr":
         assert sum(int(a.sum()) for a in after) == sum(int(b.sum()) for b in before)
+        assert state.hook_state.threshold_exp.shape == ()  # one H for the whole model
         assert any(not np.array_equal(a, b) for a, b in zip(after, before, strict=True))
     else:
         for a, b in zip(after, before, strict=True):
@@ -222,7 +224,6 @@ def test_dsr_threshold_rule_on_a_hand_made_set():
             values=jnp.asarray(v),
             indices=jnp.asarray(indices),
             bias=None,
-            threshold_exp=jnp.zeros((), jnp.int32),
             in_features=4,
             out_features=4,
             use_bias=False,
@@ -232,20 +233,23 @@ def test_dsr_threshold_rule_on_a_hand_made_set():
     b = layer([0.9, -0.8, 0.0009, 0.6, 0.5, 0.4], [10, 11, 12, 13, 14, 15])
     model = (a, b)
     momentum = jax.tree.map(jnp.ones_like, eqx.filter(model, eqx.is_inexact_array))
+    dsr = sp.dsr(period=100, fraction=0.1, threshold=1e-3, tolerance=0.1)
     state = el.train.TrainState(
         step=jnp.asarray(100, jnp.int32),
         model=model,
         opt_state=(optax.TraceState(trace=momentum), optax.EmptyState()),
         key=jr.PRNGKey(0),
+        hook_state=dsr.init(model),  # H as one scalar for the whole model
     )
+    assert state.hook_state == sp.DSRState(jnp.int32(0))
     # H = 1e-3 prunes |w| < 1e-3: a's 0.0005 and -0.0001, b's 0.0009 (3 weights). The
     # target is fraction * 32 = 3.2 weights, so 3 < (1 - 0.1) * 3.2 = 2.88 is false and
     # 3 > 3.52 is false: H stays.
     # jitted, as in a step (and one compilation a structure, not one per operation)
-    hook = eqx.filter_jit(sp.dsr(period=100, fraction=0.1, threshold=1e-3, tolerance=0.1))
+    hook = eqx.filter_jit(dsr)
     new = hook(state, Info(None, jr.PRNGKey(1), None))
     na, nb = new.model
-    assert int(na.threshold_exp) == 0 and int(nb.threshold_exp) == 0
+    assert int(new.hook_state.threshold_exp) == 0
     for old, lay in ((a, na), (b, nb)):
         kept = {int(i): float(v) for i, v in zip(old.indices, old.values, strict=True) if i < 16}
         now = {int(i): float(v) for i, v in zip(lay.indices, lay.values, strict=True) if i < 16}
@@ -270,13 +274,20 @@ def test_dsr_threshold_rule_on_a_hand_made_set():
     # Too few pruned: H doubles. 1 weight below 1e-3 in a set where the target is 3.2.
     few = (layer([0.0005, 0.5], [0, 1]), layer([0.9], [3]))
     st = el.train.TrainState(
-        step=jnp.asarray(100, jnp.int32), model=few, opt_state=(), key=jr.PRNGKey(0)
+        step=jnp.asarray(100, jnp.int32),
+        model=few,
+        opt_state=(),
+        key=jr.PRNGKey(0),
+        hook_state=dsr.init(few),
     )
     out = hook(st, Info(None, jr.PRNGKey(2), None))
-    assert int(out.model[0].threshold_exp) == 1 and int(out.model[1].threshold_exp) == 1
+    assert int(out.hook_state.threshold_exp) == 1
+    # ... and the next rewiring prunes below the doubled H (2e-3: 0.0005 only, too few
+    # again, so H doubles once more); a rewiring reads H from the state it is given.
+    assert int(hook(out, Info(None, jr.PRNGKey(3), None)).hook_state.threshold_exp) == 2
     # Too many pruned: H halves (target 0.01 * 32 = 0.32 weights, 1 pruned).
     out = eqx.filter_jit(sp.dsr(period=100, fraction=0.01))(st, Info(None, jr.PRNGKey(2), None))
-    assert int(out.model[0].threshold_exp) == -1
+    assert int(out.hook_state.threshold_exp) == -1
     # Not a rewiring step: nothing changes.
     off = dataclasses.replace(st, step=jnp.asarray(101, jnp.int32))
     same = hook(off, Info(None, jr.PRNGKey(2), None))
@@ -443,3 +454,132 @@ def test_bad_arguments(getkey):
     )
     with pytest.raises(ValueError, match="no sparse layers"):
         sp.dsr()(state, Info(None, getkey(), None))
+    with pytest.raises(ValueError, match="no sparse layers"):  # at init, before any step
+        el.train.make_step(el.train.mse, optax.sgd(0.1), after_update=sp.dsr()).init(
+            dense, key=getkey()
+        )
+    sparse = dataclasses.replace(state, model=_model(getkey()))
+    with pytest.raises(ValueError, match=r"hook_state=hook.init\(model\)\); got hook_state=None"):
+        sp.dsr()(sparse, Info(None, getkey(), None))
+
+
+# -- finding the optimizer state to zero ----------------------------------------------------
+
+
+def _values_only(params):
+    """True at the sparse layers' values, False at every other parameter."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: jax.tree_util.keystr(path).endswith(".values"), params
+    )
+
+
+def _labels(params):
+    return jax.tree.map(lambda v: "sparse" if v else "dense", _values_only(params))
+
+
+_LAID_OUT = {  # optimizer, and how many of its entries shadow each sparse layer's values
+    "masked": (optax.masked(optax.adam(1e-2), _values_only), 2),
+    "multi_transform": (
+        optax.multi_transform(
+            {"sparse": optax.adam(1e-2), "dense": optax.sgd(0.05, momentum=0.9)}, _labels
+        ),
+        2,
+    ),
+    "inject_hyperparams": (optax.inject_hyperparams(optax.adam)(learning_rate=1e-2), 2),
+}  # the 16-bit state (half_state): test_optimizer_state_zeroed_for_chains_and_half_state
+
+
+def _entries(opt_state, path):
+    """Every array in the optimizer state at a sparse layer's values `path` (below a
+    subtree shaped like the model)."""
+    return [
+        leaf
+        for p, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]
+        if jax.tree_util.keystr(p).endswith(path) and leaf.ndim == 1
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(_LAID_OUT))
+def test_grown_slots_get_zero_state_under_optimizer_wrappers(name, getkey):
+    # Under optax.masked and multi_transform the moments hold a MaskedNode where the
+    # optimizer sees no parameter; rewiring must still find them (it used to match only
+    # subtrees of exactly the parameters' structure and left grown slots stale there).
+    optimizer, per_layer = _LAID_OUT[name]
+    step = el.train.make_step(el.train.mse, optimizer, after_update=sp.set_(period=1))
+    state = step.init(_model(getkey()), key=getkey())
+    batch = _data(getkey())
+    for _ in range(3):
+        before = [np.asarray(x.positions()) for _, x in sp.sparse_layers(state.model)]
+        state, metrics = step(state, batch)
+        assert bool(metrics["finite"])
+    for (path, layer), old in zip(sp.sparse_layers(state.model), before, strict=True):
+        entries = _entries(state.opt_state, f"{path}.values")
+        assert len(entries) == per_layer, (path, len(entries))
+        now = np.asarray(layer.positions())
+        grown = (now < layer.size) & ~np.isin(now, old)
+        kept = (now < layer.size) & ~grown
+        assert grown.any() and kept.any()
+        assert np.all(np.asarray(layer.values, np.float32)[grown] == 0)
+        for entry in entries:
+            entry = np.asarray(entry, np.float32)
+            assert np.all(entry[grown] == 0), (path, entry[grown])
+            assert np.any(entry[kept] != 0)  # the slots kept keep their state
+
+
+class _FlatTrace(NamedTuple):
+    trace: Any
+
+
+def _flat_momentum():
+    """Momentum SGD keeping its state as one flat vector (per-slot state that is not laid
+    out like the parameters)."""
+
+    def init(params):
+        return _FlatTrace(jax.flatten_util.ravel_pytree(params)[0] * 0)
+
+    def update(updates, state, params=None):
+        del params
+        flat, unravel = jax.flatten_util.ravel_pytree(updates)
+        trace = 0.9 * state.trace + flat
+        return unravel(-0.05 * trace), _FlatTrace(trace)
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize(
+    "optimizer, match",
+    [
+        (_flat_momentum(), r"float32\[\d+\] at opt_state\.trace, outside every subtree"),
+        (optax.lbfgs(), r"opt_state\[0\]\.diff_params_memory\.layers\[0\]\.values is float32"),
+    ],
+)
+def test_optimizer_state_rewiring_cannot_find_is_refused(optimizer, match, getkey):
+    model = _model(getkey())
+    params = eqx.filter(model, eqx.is_inexact_array)
+    for hook in (sp.set_(period=1), sp.dsr(period=1)):
+        state = el.train.TrainState(
+            step=jnp.asarray(1, jnp.int32),
+            model=model,
+            opt_state=optimizer.init(params),
+            key=getkey(),
+            hook_state=hook.init(model) if hasattr(hook, "init") else None,
+        )
+        with pytest.raises(ValueError, match=match):
+            hook(state, Info(None, getkey(), None))
+
+
+def test_random_regrowth_that_cannot_place_every_weight_fails_loudly(getkey):
+    from eqx_lowmem.sparse._rewire import _grow_random
+
+    # 1,000 positions, 999 occupied: the one free position is drawn with probability
+    # 1/1000 per draw, so one round of one draw misses it.
+    size = 1000
+    indices = jnp.concatenate([jnp.arange(1, size, dtype=jnp.int32), jnp.full((1,), size)])
+    grow = eqx.filter_jit(_grow_random)
+    key = jr.PRNGKey(0)
+    assert int(jr.randint(jr.split(key)[1], (1,), 0, size)[0]) != 0  # the draw misses
+    with pytest.raises(Exception, match="without finding as many free positions"):
+        jax.block_until_ready(grow(indices, 1, key, size=size, draws=1, max_rounds=1))
+    # with rounds enough it places it
+    out, taken = grow(indices, 1, key, size=size, draws=64)
+    assert int(out[-1]) == 0 and bool(taken[-1])

@@ -428,15 +428,21 @@ def test_after_update_and_shard_pass_through_to_the_step():
     assert tree_allclose(meshed.model, plain.model, rtol=1e-6, atol=1e-7)
 
 
-def test_bad_labels_in_a_later_batch_stop_before_that_update():
+@pytest.mark.parametrize("loss_scale", [None, "dynamic"])
+def test_bad_labels_in_a_later_batch_stop_before_that_update(loss_scale):
+    # Each micro-batch is checked on the host before it is put on the device (in the
+    # prefetch thread); the error names it when its update comes, also while the previous
+    # update's metrics are still being read (with a loss scale, which overlaps them).
     X, _ = _guide_data()
     labels = np.zeros(64, np.int32)
     labels[58] = 7  # the model has 3 classes; samples 56-63: micro-batch 2 of update 4
+    scale = None if loss_scale is None else el.precision.dynamic_loss_scale()
     trainer = _trainer(model=el.nn.mlp([2, 4, 3], key=jr.PRNGKey(0)), loss=el.train.cross_entropy,
-                       accumulate=2)  # fmt: skip
+                       accumulate=2, loss_scale=scale)  # fmt: skip
     with pytest.raises(ValueError, match="micro-batch 2 of update 4 of epoch 1 .*batch\\[1\\]"):
         trainer.fit(X, labels, epochs=1, micro_batch=8, key=jr.PRNGKey(1), shuffle=False)
     assert int(trainer.state.step) == 3 and trainer.updates == 3
+    assert trainer.history["train_loss"] == []  # the epoch did not end
 
 
 def test_a_stream_split_over_processes_without_jax_distributed_is_refused(tmp_path):

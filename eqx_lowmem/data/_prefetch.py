@@ -27,6 +27,13 @@ def to_device(batch: Any, sharding: jax.sharding.Sharding | None) -> Any:
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), batch)
 
 
+def checked(batch: T, check: Callable[[T], None] | None) -> T:
+    """`batch`, after `check(batch)` (which raises on a bad one) where given."""
+    if check is not None:
+        check(batch)
+    return batch
+
+
 def check_depth(depth: int) -> None:
     if depth < 1:
         raise ValueError(f"prefetch depth={depth}; expected at least 1 batch ahead (default 2).")
@@ -106,7 +113,11 @@ class Batches(Iterator[Any]):
 
 
 def prefetch(
-    batches: Iterable[Any], *, depth: int = 2, sharding: jax.sharding.Sharding | None = None
+    batches: Iterable[Any],
+    *,
+    depth: int = 2,
+    sharding: jax.sharding.Sharding | None = None,
+    check: Callable[[Any], None] | None = None,
 ) -> Batches:
     """Batches put on the device by a background thread, `depth` ahead of the consumer.
 
@@ -121,6 +132,9 @@ def prefetch(
         sharding: where each batch goes; `None` puts it on the default device. With several
             processes each process passes its own slice and the global array is assembled
             with `jax.make_array_from_process_local_data`.
+        check: `check(batch)` on each batch's host arrays, in the background thread before
+            the batch is copied to the device (no copy back, no wait on the device); what
+            it raises is raised here, at that batch.
 
     Returns:
         An iterator of the batches as `jax.Array` pytrees, in order, and a context manager
@@ -139,4 +153,4 @@ def prefetch(
         [[0, 1, 2, 3], [4, 5]]
     """
     check_depth(depth)
-    return Batches(run_ahead(batches, lambda batch: to_device(batch, sharding), depth))
+    return Batches(run_ahead(batches, lambda b: to_device(checked(b, check), sharding), depth))

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._prefetch import Batches, check_depth, run_ahead, to_device
+from ._prefetch import Batches, check_depth, checked, run_ahead, to_device
 from ._shuffle import BlockOrder, GlobalOrder, Order, key_entropy, seed
 from ._sources import SOURCE_KINDS, SampleReader, Watched, open_arrays, row_gather
 
@@ -337,7 +337,13 @@ class DataStream:
         """The batches from the current position to the end of its epoch."""
         return self._serve(None)
 
-    def prefetch(self, *, depth: int = 2, sharding: jax.sharding.Sharding | None = None) -> Batches:
+    def prefetch(
+        self,
+        *,
+        depth: int = 2,
+        sharding: jax.sharding.Sharding | None = None,
+        check: Callable[[Batch], None] | None = None,
+    ) -> Batches:
         """Like `iter(stream)`, with each batch read and put on the device by a background
         thread `depth` batches ahead, so loading overlaps the step. `state()` counts the
         batches handed to the caller, not those read ahead.
@@ -354,18 +360,22 @@ class DataStream:
             sharding: where each batch goes (`jax.device_put`); `None` for the default
                 device. With several processes, each passes its slice and the global array
                 is assembled with `jax.make_array_from_process_local_data`.
+            check: `check(batch)` on each batch's host arrays, in the background thread
+                before the batch is copied to the device (no copy back, no wait on the
+                device); what it raises is raised here, at that batch.
         """
         check_depth(depth)
-        return Batches(self._serve((depth, sharding)))
+        return Batches(self._serve((depth, sharding, check)))
 
-    def _serve(self, prefetch: tuple[int, Any] | None) -> Generator[Any, None, None]:
+    def _serve(self, prefetch: tuple[int, Any, Any] | None) -> Generator[Any, None, None]:
         self._generation += 1
         generation = self._generation
         epoch, start = self._epoch, self._batch
         batches = self._batches(epoch, start)
         if prefetch is not None:
-            depth, sharding = prefetch
-            batches = run_ahead(batches, lambda b: (to_device(b[0], sharding), b[1]), depth)
+            depth, sharding, check = prefetch
+            put = lambda b: (to_device(checked(b[0], check), sharding), b[1])  # noqa: E731
+            batches = run_ahead(batches, put, depth)
         try:
             for k, (batch, last) in enumerate(batches, start):
                 if self._generation != generation:

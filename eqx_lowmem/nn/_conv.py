@@ -10,11 +10,15 @@ backward pass of an NCHW convolution is never canonical (its input gradient reve
 window and swaps the kernel's features; its weight gradient puts the batch on the feature
 axis).
 
-Here every convolution is written canonical by hand: the forward pass and both gradients
-transpose their operands to NHWC/HWIO, flip the kernel explicitly instead of reversing the
-window, and express the weight gradient as a canonical convolution of the input (channels
-on the batch axis) with the output gradient (the batch on the contracted axis). The
-numbers are those of `jax.lax.conv_general_dilated` (the same sums, in another order).
+On CPU every convolution is therefore written canonical by hand: the forward pass and both
+gradients transpose their operands to NHWC/HWIO, flip the kernel explicitly instead of
+reversing the window, and express the weight gradient as a canonical convolution of the
+input (channels on the batch axis) with the output gradient (the batch on the contracted
+axis). The numbers are those of `jax.lax.conv_general_dilated` (the same sums, in another
+order). Other backends need none of it (cuDNN picks its own layouts): there the same three
+functions are XLA's own NCHW convolution and its transposes, as JAX's autodiff writes them.
+The choice is made when the program is lowered (`jax.lax.platform_dependent`), so a program
+lowered for a GPU carries no CPU layout, whatever machine traced it.
 Inside a `jax.vmap` (the usual `jax.vmap(model)(batch)`) the layer runs once over the whole
 batch with this backward pass; elsewhere it is `eqx.nn.Conv2d` itself.
 """
@@ -30,31 +34,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-try:  # to ask whether a vmap is the innermost transformation (see batched_on_top)
-    from jax._src.core import find_top_trace as _find_top_trace
-    from jax._src.interpreters.batching import BatchTrace as _BatchTrace
-except ImportError:  # pragma: no cover - other JAX versions: the plain path only
-    _find_top_trace = None
-    _BatchTrace = None
+from ._trace import batched_on_top
 
 # (window strides, explicit (low, high) padding per spatial axis, kernel dilation)
 Conv = tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...]]
 _NHWC = ("NHWC", "HWIO", "NHWC")
-
-
-def batched_on_top(args: tuple) -> bool:
-    """Whether the innermost transformation acting on `args` is a `jax.vmap`.
-
-    Then a layer's vmap rule runs before any differentiation sees it (reverse-mode autodiff
-    cannot go through `jax.custom_batching.custom_vmap` itself). JAX offers no public way
-    to ask; where its internals differ, every call takes the plain per-example path, which
-    is correct everywhere."""
-    if _find_top_trace is None:
-        return False
-    try:
-        return isinstance(_find_top_trace(args), _BatchTrace)
-    except Exception:  # internals changed: the always-correct path
-        return False
 
 
 def explicit_padding(
@@ -78,7 +62,28 @@ def _dilated(n: int, d: int) -> int:
 
 
 def conv_forward(x: Array, w: Array, conv: Conv) -> Array:
-    """`x` `(n, c_in, *spatial)`, `w` `(c_out, c_in, *kernel)` -> `(n, c_out, *out)`."""
+    """`x` `(n, c_in, *spatial)`, `w` `(c_out, c_in, *kernel)` -> `(n, c_out, *out)`:
+    canonical on CPU, XLA's own convolution elsewhere."""
+    return _per_platform(_canonical_forward, _xla_forward, x, w, conv=conv)
+
+
+def _per_platform(canonical: Callable, xla: Callable, *args: Array, **static: Any) -> Array:
+    """`canonical(*args, **static)` in a program lowered for the CPU, `xla(...)` in one
+    lowered for any other backend: chosen at lowering, the other never compiled."""
+    return jax.lax.platform_dependent(
+        *args, cpu=functools.partial(canonical, **static),
+        default=functools.partial(xla, **static),
+    )  # fmt: skip
+
+
+def _xla_forward(x: Array, w: Array, conv: Conv) -> Array:
+    stride, padding, dilation = conv
+    return jax.lax.conv_general_dilated(
+        x, w, window_strides=stride, padding=padding, rhs_dilation=dilation
+    )
+
+
+def _canonical_forward(x: Array, w: Array, conv: Conv) -> Array:
     stride, padding, dilation = conv
     y = jax.lax.conv_general_dilated(
         jnp.moveaxis(x, 1, -1),  # (n, h, w, c_in)
@@ -93,8 +98,21 @@ def conv_forward(x: Array, w: Array, conv: Conv) -> Array:
 
 def conv_input_grad(g: Array, w: Array, in_spatial: tuple[int, ...], conv: Conv) -> Array:
     """The gradient with respect to the input of `conv_forward`, given its output
-    gradient `g` `(n, c_out, *out)`: a stride-1 convolution of `g` dilated by the stride
-    with the spatially flipped kernel, input and output features swapped."""
+    gradient `g` `(n, c_out, *out)`: on CPU a canonical stride-1 convolution of `g`
+    dilated by the stride with the spatially flipped kernel, input and output features
+    swapped; elsewhere XLA's own transpose of the convolution."""
+    return _per_platform(
+        _canonical_input_grad, _xla_input_grad, g, w, in_spatial=in_spatial, conv=conv
+    )
+
+
+def _xla_input_grad(g: Array, w: Array, in_spatial: tuple[int, ...], conv: Conv) -> Array:
+    x = jax.ShapeDtypeStruct((g.shape[0], w.shape[1], *in_spatial), g.dtype)
+    (dx,) = jax.linear_transpose(lambda x: _xla_forward(x, w, conv), x)(g)
+    return dx
+
+
+def _canonical_input_grad(g: Array, w: Array, in_spatial: tuple[int, ...], conv: Conv) -> Array:
     stride, padding, dilation = conv
     pads = []
     for n, k, s, d, (lo, _), o in zip(
@@ -119,17 +137,28 @@ def conv_input_grad(g: Array, w: Array, in_spatial: tuple[int, ...], conv: Conv)
 # gradient (examples x output positions) is large: measured on 2 cores, a 32-channel 3x3
 # layer at 28x28 took 66-76 ms per 10 images at a batch of 100 against 8 at a batch of 10.
 # Its weight gradient is therefore a sum over chunks of examples whose contracted extent
-# stays under this many output positions (on CPU only; other backends take one call).
+# stays under this many output positions (on CPU only).
 _CPU_CONTRACTED = 8192
 
 
 def conv_weight_grad(x: Array, g: Array, kernel: tuple[int, ...], conv: Conv) -> Array:
     """The gradient with respect to the kernel of `conv_forward`: `(c_out, c_in, *kernel)`.
 
-    `dw[o, i, a, b] = sum_{n, y, z} x_pad[n, i, y * s + a * d, z * s + b * d] g[n, o, y, z]`,
-    a canonical convolution whose batch is the input channels, whose contracted feature is
-    the examples, and whose window is the output gradient (strides and dilation trade
-    places). On CPU, a large batch is summed in chunks of examples (`_CPU_CONTRACTED`)."""
+    On CPU `dw[o, i, a, b] = sum_{n, y, z} x_pad[n, i, y * s + a * d, z * s + b * d]
+    g[n, o, y, z]`, a canonical convolution whose batch is the input channels, whose
+    contracted feature is the examples, and whose window is the output gradient (strides
+    and dilation trade places), a large batch summed in chunks of examples
+    (`_CPU_CONTRACTED`); elsewhere XLA's own transpose of the convolution."""
+    return _per_platform(_canonical_weight_grad, _xla_weight_grad, x, g, kernel=kernel, conv=conv)
+
+
+def _xla_weight_grad(x: Array, g: Array, kernel: tuple[int, ...], conv: Conv) -> Array:
+    w = jax.ShapeDtypeStruct((g.shape[1], x.shape[1], *kernel), x.dtype)
+    (dw,) = jax.linear_transpose(lambda w: _xla_forward(x, w, conv), w)(g)
+    return dw
+
+
+def _canonical_weight_grad(x: Array, g: Array, kernel: tuple[int, ...], conv: Conv) -> Array:
     stride, padding, dilation = conv
     pads = []
     for n, k, s, d, (lo, _), o in zip(
@@ -150,14 +179,8 @@ def conv_weight_grad(x: Array, g: Array, kernel: tuple[int, ...], conv: Conv) ->
 
     n = x.shape[0]
     chunk = max(1, _CPU_CONTRACTED // max(1, math.prod(g.shape[2:])))
-    if chunk >= n:
-        return one(x, g)
-
-    def chunked(x: Array, g: Array) -> Array:
-        parts = [one(x[i : i + chunk], g[i : i + chunk]) for i in range(0, n, chunk)]
-        return functools.reduce(operator.add, parts)
-
-    return jax.lax.platform_dependent(x, g, cpu=chunked, default=one)
+    parts = [one(x[i : i + chunk], g[i : i + chunk]) for i in range(0, n, chunk)]
+    return functools.reduce(operator.add, parts)
 
 
 @functools.cache
@@ -214,7 +237,7 @@ def _fast(layer: Any) -> bool:
         type(layer) is eqx.nn.Conv2d
         and layer.groups == 1
         and layer.padding_mode == "ZEROS"
-        and isinstance(layer.weight, jax.Array | jax.core.Tracer)
+        and isinstance(layer.weight, jax.Array)  # tracers included
     )
 
 

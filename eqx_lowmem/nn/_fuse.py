@@ -23,6 +23,7 @@ transformed before the loss (FSDP's whole-model gather, a user's own cast) runs 
 
 import contextlib
 import contextvars
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -30,6 +31,13 @@ import jax
 from jaxtyping import Array, PyTree
 
 Fold = Callable[[Array, Array], Array]
+
+
+class FusionWarning(UserWarning):
+    """A scanned stack set up for fused accumulation (every block or segment recomputed)
+    that a step's accumulator could not reach, and why: its micro-batch gradient is then
+    held beside the accumulator, one more gradient of its parameters. Silence it with
+    `make_step(..., fuse_accumulation=False)` or a warnings filter on this category."""
 
 
 class Fusion:
@@ -55,6 +63,8 @@ class Fusion:
                 "parameters; it must have the parameters' structure."
             )
         self._slot = {id(p): n for n, p in enumerate(p_leaves)}
+        paths = jax.tree_util.tree_leaves_with_path(params)
+        self._paths = [jax.tree_util.keystr(p) for p, _ in paths]
         self._shapes = [tuple(p.shape) for p in p_leaves]
         self._acc = a_leaves
         self.fold = fold
@@ -62,15 +72,41 @@ class Fusion:
 
     def claim(self, leaves: Sequence[Array]) -> list[int] | None:
         """The accumulator positions of `leaves` (a stack's floating arrays), or None when
-        any of them is not a differentiated parameter, or was taken already."""
+        any of them is not a differentiated parameter (said with a `FusionWarning`), or was
+        taken already (a stack called twice: its first call is fused)."""
         slots = [self._slot.get(id(x)) for x in leaves]
-        if not slots or any(n is None or n in self.fused for n in slots):
+        if not slots or any(n is not None and n in self.fused for n in slots):
+            return None
+        pairs = zip(slots, leaves, strict=True)
+        if any(n is None or self._shapes[n] != tuple(x.shape) for n, x in pairs):
+            self.decline(
+                leaves,
+                "its arrays are not the parameter arrays the step differentiates: the loss "
+                "made new ones from them (a cast, a copy, a gather of the whole model) "
+                "before calling the stack; call it on the model's own arrays",
+            )
             return None
         if len(set(slots)) != len(slots):
             return None
-        if any(self._shapes[n] != tuple(x.shape) for n, x in zip(slots, leaves, strict=True)):
-            return None
         return slots  # type: ignore[return-value]
+
+    def decline(self, leaves: Sequence[Array], reason: str) -> None:
+        """Say, with a `FusionWarning`, that the stack holding `leaves` (its floating
+        arrays) is set up for fusion but not fused, and `reason`."""
+        names = [self._paths[n] for n in (self._slot.get(id(x)) for x in leaves) if n is not None]
+        if names:
+            where = f"the stack holding {names[0]}"
+            where += f" and {len(names) - 1} more arrays" if len(names) > 1 else ""
+        else:
+            first = leaves[0]
+            where = f"a stack of {len(leaves)} arrays (the first {first.dtype}{list(first.shape)})"
+        warnings.warn(
+            f"fused accumulation does not reach {where}, whose blocks are all recomputed: "
+            f"{reason}. Its micro-batch gradient is held beside the accumulator "
+            "(make_step(..., fuse_accumulation=False) silences this).",
+            FusionWarning,
+            stacklevel=2,
+        )
 
     def accumulators(self, slots: Sequence[int]) -> list[Array]:
         return [self._acc[n] for n in slots]

@@ -15,6 +15,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from ._fuse import active_fusion, fusion_candidate
 from ._layers import active_hook, exact_hook, prepare_layer
 from ._remat import Remat, RematArg, module_remat_names, remat_policy, resolve_remat
+from ._trace import batched_on_top
 
 
 class _Batch(NamedTuple):
@@ -187,8 +188,15 @@ class Stack(eqx.Module):
         if batch is not None:
             return run(x, state, key, batch)
         if self.stateful:
+            why = "a stateful stack is fused only through stack.batched(x, states, ...)"
+            fusion.decline([leaves[n] for n in floats], why)
             return None
-        if not _batch_traced(x):
+        batched = batched_on_top(x)
+        if batched is None:
+            why = "this JAX does not tell whether jax.vmap is innermost (eqx_lowmem.nn._trace)"
+            fusion.decline([leaves[n] for n in floats], why)
+            return None
+        if not batched:
             # One example, no vmap: the fused loop over a batch of one.
             keys = None if key is None else key[None]
             y, _ = run(jax.tree.map(lambda a: a[None], x), None, keys, _Batch(None))
@@ -400,15 +408,6 @@ class Stack(eqx.Module):
         if self.stateful:
             state = jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
         return x, state
-
-
-def _batch_traced(x: PyTree) -> bool:
-    """Whether `x` is being traced by `jax.vmap` (a per-example call inside a vmap)."""
-    try:
-        from jax._src.interpreters.batching import BatchTracer
-    except ImportError:  # pragma: no cover - a JAX without it: treat every call as vmapped
-        return True
-    return any(isinstance(a, BatchTracer) for a in jax.tree.leaves(x))
 
 
 def _check_segment(segment: object, n_layers: int) -> int | None:

@@ -3,7 +3,8 @@ optimizer's state) are the non-zero weights only, and rewiring hooks for the tra
 
 - `SparseLinear`, `SparseConv2d`: drop-in sparse versions of `eqx.nn.Linear` / `eqx.nn.Conv2d`.
 - `sparsify`, `densify`: convert a model's layers (uniform or ERK densities) and back.
-- `dsr`, `set_`, `rigl`: rewiring as `make_step(..., after_update=hook)`.
+- `dsr`, `set_`, `rigl`: rewiring as `make_step(..., after_update=hook)` (`DSRState`: the
+  threshold DSR keeps in `TrainState.hook_state`).
 - `stats`, `density`, `sparse_layers`: what the sparse layers hold.
 """
 
@@ -22,4 +23,10 @@ from ._layers import (
     index_dtype as index_dtype,
     is_sparse as is_sparse,
 )
-from ._rewire import allocate as allocate, dsr as dsr, rigl as rigl, set_ as set_
+from ._rewire import (
+    DSRState as DSRState,
+    allocate as allocate,
+    dsr as dsr,
+    rigl as rigl,
+    set_ as set_,
+)

@@ -8,150 +8,37 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import numpy as np
 from jaxtyping import PRNGKeyArray, PyTree
 
 from ._layers import (
-    SparseConv2d,
-    SparseLinear,
-    _dense_of,
-    bits_of,
-    bitset_bytes,
-    index_dtype,
+    check_density,
+    check_key,
+    check_storage,
     is_sparse,
+    kept_count,
+    sparse_type_of,
 )
 
 _DISTRIBUTIONS = ("uniform", "erk")
 # Layers with weight matrices that sparsify cannot convert: named in its error.
-_UNSUPPORTED = (eqx.nn.ConvTranspose, eqx.nn.Embedding, eqx.nn.GRUCell, eqx.nn.LSTMCell)
-
-
-def _is_conv2d(x: Any) -> bool:
-    return isinstance(x, eqx.nn.Conv) and x.num_spatial_dims == 2
-
-
-def _is_dense(x: Any) -> bool:
-    return isinstance(x, eqx.nn.Linear) or _is_conv2d(x)
+_UNSUPPORTED = (eqx.nn.Conv, eqx.nn.ConvTranspose, eqx.nn.Embedding, eqx.nn.GRUCell,
+                eqx.nn.LSTMCell)  # fmt: skip
 
 
 def _is_unsupported(x: Any) -> bool:
-    return isinstance(x, _UNSUPPORTED) or (isinstance(x, eqx.nn.Conv) and not _is_conv2d(x))
+    return isinstance(x, _UNSUPPORTED) and sparse_type_of(x) is None
 
 
 def _is_node(x: Any) -> bool:
-    return _is_dense(x) or is_sparse(x) or _is_unsupported(x)
+    return sparse_type_of(x) is not None or is_sparse(x) or _is_unsupported(x)
 
 
 def _shapes(layer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(stacked-layer axes, one dense weight's shape) of a dense Linear or Conv2d."""
-    rank = 2 if isinstance(layer, eqx.nn.Linear) else 4
+    """(stacked-layer axes, one dense weight's shape) of a dense layer that a sparse
+    layer type converts."""
+    rank = sparse_type_of(layer).dense_rank  # pyright: ignore[reportOptionalMemberAccess]
     shape = tuple(layer.weight.shape)
     return shape[:-rank], shape[-rank:]
-
-
-def _check_density(density: Any, what: str = "density") -> float:
-    if (
-        isinstance(density, bool)
-        or not isinstance(density, (int, float, np.floating))
-        or not 0.0 < float(density) <= 1.0
-    ):
-        raise ValueError(
-            f"{what}={density!r}; expected the fraction of weights kept, in (0, 1] "
-            "(0.3 keeps 30%; 1 is dense)."
-        )
-    return float(density)
-
-
-def _count(size: int, density: float) -> int:
-    return min(size, max(1, round(density * size)))
-
-
-def _choose(key: PRNGKeyArray, size: int, nnz: int, capacity: int, dtype: Any) -> jax.Array:
-    """`nnz` distinct random positions in `[0, size)`, sorted, then empty slots (`size`)."""
-    chosen = jnp.sort(jr.choice(key, size, (nnz,), replace=False))
-    empty = jnp.full((capacity - nnz,), size, chosen.dtype)
-    return jnp.concatenate([chosen, empty]).astype(dtype)
-
-
-def from_dense(
-    layer: Any,
-    density: float,
-    *,
-    key: PRNGKeyArray,
-    capacity: int | None = None,
-    storage: str = "indices",
-) -> SparseLinear | SparseConv2d:
-    """A sparse copy of a dense `eqx.nn.Linear` or 2-D `eqx.nn.Conv` (see
-    `SparseLinear.from_dense`): the dense values at `round(density * size)` random
-    positions per layer (Mostafa and Wang thin an initialised dense network the same way)."""
-    if not _is_dense(layer):
-        raise TypeError(
-            f"from_dense expects an eqx.nn.Linear or eqx.nn.Conv2d, got {type(layer).__name__}."
-        )
-    density = _check_density(density)
-    stack, shape = _shapes(layer)
-    size = math.prod(shape)
-    nnz = _count(size, density)
-    if capacity is None:
-        capacity = nnz
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or not nnz <= capacity <= size:
-        raise ValueError(
-            f"capacity={capacity!r} for a layer of {size} weights at density={density}: "
-            f"expected an int from the {nnz} non-zeros kept up to {size} (the dense size)."
-        )
-    storage = _check_storage(storage)
-    dtype = index_dtype(size)
-    if storage == "auto":
-        smaller = bitset_bytes(size) < capacity * jnp.dtype(dtype).itemsize
-        storage = "bits" if smaller else "indices"
-    n = math.prod(stack)
-    keys = jr.split(key, n)
-    indices = jnp.stack([_choose(k, size, nnz, capacity, dtype) for k in keys])
-    flat = layer.weight.reshape(n, size)
-    picked = jnp.take_along_axis(flat, jnp.minimum(indices, size - 1).astype(jnp.int32), axis=1)
-    values = jnp.where(indices < size, picked, jnp.zeros((), flat.dtype))
-    values = values.reshape(*stack, capacity)
-    if storage == "bits":  # the slots are in the order of their positions (`_choose`)
-        indices = jax.vmap(lambda i: bits_of(i, size))(indices)
-    indices = indices.reshape(*stack, indices.shape[-1])
-    exp = jnp.zeros(stack, jnp.int32)
-    if isinstance(layer, eqx.nn.Linear):
-        return SparseLinear(
-            values=values,
-            indices=indices,
-            bias=layer.bias,
-            threshold_exp=exp,
-            in_features=layer.in_features,
-            out_features=layer.out_features,
-            use_bias=layer.use_bias,
-        )
-    return SparseConv2d(
-        values=values,
-        indices=indices,
-        bias=layer.bias,
-        threshold_exp=exp,
-        in_channels=layer.in_channels,
-        out_channels=layer.out_channels,
-        kernel_size=tuple(layer.kernel_size),
-        stride=tuple(layer.stride),
-        padding=layer.padding,
-        dilation=tuple(layer.dilation),
-        groups=layer.groups,
-        use_bias=layer.use_bias,
-        padding_mode=layer.padding_mode,
-    )
-
-
-_STORAGES = ("indices", "bits", "auto")
-
-
-def _check_storage(storage: Any) -> str:
-    if storage not in _STORAGES:
-        raise ValueError(
-            f"storage={storage!r}; expected one of {_STORAGES} ('indices': one integer per "
-            "slot; 'bits': one bit per dense weight; 'auto': the smaller per layer)."
-        )
-    return storage
 
 
 def erk_densities(
@@ -218,7 +105,8 @@ def sparsify(
             model (spread by `distribution`), or a function `(path, layer) -> density`
             for per-layer densities (`path` as `jax.tree_util.keystr`, e.g.
             `".layers[0]"`).
-        key: picks the initial positions (uniformly at random per layer).
+        key: a JAX PRNG key (`jr.PRNGKey(0)` or `jr.key(0)`; an int is refused with a
+            TypeError): picks the initial positions (uniformly at random per layer).
         distribution: how a float `density` is spread: `"uniform"` (every layer the same)
             or `"erk"` (Erdos-Renyi-Kernel, `erk_densities`; the same total count).
         slack: extra empty slots per layer as a fraction of its non-zeros (capacity
@@ -240,7 +128,7 @@ def sparsify(
             count of non-zeros), an unknown `distribution`, an `exclude` path that names
             no layer, or a model without any layer to sparsify.
         TypeError: a layer with a weight matrix that `sparsify` cannot convert (named,
-            with its path): exclude it to keep it dense.
+            with its path): exclude it to keep it dense; a `key` that is not a PRNG key.
 
     Example:
         >>> import jax.random as jr
@@ -261,8 +149,9 @@ def sparsify(
             f"distribution={distribution!r}."
         )
     if not callable(density):
-        density = _check_density(density)
-    storage = _check_storage(storage)
+        density = check_density(density)
+    storage = check_storage(storage)
+    check_key(key, "sparsify")
     if isinstance(slack, bool) or not isinstance(slack, (int, float)) or slack < 0:
         raise ValueError(
             f"slack={slack!r} would give a capacity below the count of non-zeros; expected "
@@ -301,7 +190,7 @@ def sparsify(
     names = [_path_str(flat[i][0]) for i in targets]
     if callable(density):
         densities = [
-            _check_density(density(n, x), f"density({n!r})")
+            check_density(density(n, x), f"density({n!r})")
             for n, x in zip(names, layers, strict=True)
         ]
     elif distribution == "erk":
@@ -315,37 +204,12 @@ def sparsify(
     leaves = [x for _, x in flat]
     for i, layer, d, k in zip(targets, layers, densities, keys, strict=True):
         size = math.prod(_shapes(layer)[1])
-        nnz = _count(size, d)
-        capacity = min(size, math.ceil(nnz * (1.0 + slack)))
-        leaves[i] = from_dense(layer, d, key=k, capacity=capacity, storage=storage)
+        capacity = min(size, math.ceil(kept_count(size, d) * (1.0 + slack)))
+        kind = sparse_type_of(layer)
+        leaves[i] = kind.from_dense(  # pyright: ignore[reportOptionalMemberAccess]
+            layer, d, key=k, capacity=capacity, storage=storage
+        )
     return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _to_dense(layer: Any) -> Any:
-    weight = _dense_of(layer.values, layer.indices, layer.weight_shape)
-    dtype = layer.values.dtype
-    skeleton_key = jr.PRNGKey(0)  # the skeleton's random weights are replaced below
-    if isinstance(layer, SparseLinear):
-        dense = eqx.nn.Linear(
-            layer.in_features, layer.out_features, layer.use_bias, dtype=dtype, key=skeleton_key
-        )
-    else:
-        dense = eqx.nn.Conv2d(
-            layer.in_channels,
-            layer.out_channels,
-            layer.kernel_size,
-            layer.stride,
-            layer.padding,
-            layer.dilation,
-            layer.groups,
-            layer.use_bias,
-            layer.padding_mode,
-            dtype=dtype,
-            key=skeleton_key,
-        )
-    if layer.use_bias:
-        return eqx.tree_at(lambda m: (m.weight, m.bias), dense, (weight, layer.bias))
-    return eqx.tree_at(lambda m: m.weight, dense, weight)
 
 
 def densify(model: PyTree) -> PyTree:
@@ -362,7 +226,7 @@ def densify(model: PyTree) -> PyTree:
         >>> bool(jnp.allclose(dense(jnp.ones(8)), net(jnp.ones(8))))
         True
     """
-    return jax.tree.map(lambda x: _to_dense(x) if is_sparse(x) else x, model, is_leaf=is_sparse)
+    return jax.tree.map(lambda x: x.to_dense() if is_sparse(x) else x, model, is_leaf=is_sparse)
 
 
 class SparseStats(NamedTuple):
@@ -375,8 +239,8 @@ class SparseStats(NamedTuple):
         nnz: occupied slots.
         density: `nnz / size` (1.0 for a model without sparse layers).
         value_bytes: bytes of their values (all slots).
-        index_bytes: bytes of their indices and threshold exponents (integers: parameters
-            too, though no optimizer sees them).
+        index_bytes: bytes of their indices (integers: parameters too, though no optimizer
+            sees them).
     """
 
     layers: int
@@ -388,7 +252,7 @@ class SparseStats(NamedTuple):
     index_bytes: int
 
 
-def sparse_layers(model: PyTree) -> list[tuple[str, SparseLinear | SparseConv2d]]:
+def sparse_layers(model: PyTree) -> list[tuple[str, Any]]:
     """`(path, layer)` for every sparse layer of `model`, in pytree order."""
     flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_sparse)
     return [(_path_str(p), x) for p, x in flat if is_sparse(x)]
@@ -403,7 +267,7 @@ def stats(model: PyTree) -> SparseStats:
         >>> net = sparsify(el.nn.mlp([8, 16, 4], key=jr.PRNGKey(0)), 0.5, key=jr.PRNGKey(1))
         >>> s = stats(net)
         >>> s.size, s.nnz, s.index_bytes
-        (192, 96, 168)
+        (192, 96, 160)
     """
     layers = sparse_layers(model)
     n = size = capacity = nnz = value_bytes = index_bytes = 0
@@ -414,7 +278,7 @@ def stats(model: PyTree) -> SparseStats:
         capacity += x.capacity * count
         nnz += int(jnp.sum(x.nnz()))
         value_bytes += x.values.size * x.values.dtype.itemsize
-        index_bytes += x.indices.size * x.indices.dtype.itemsize + x.threshold_exp.size * 4
+        index_bytes += x.indices.size * x.indices.dtype.itemsize
     return SparseStats(
         n, size, capacity, nnz, nnz / size if size else 1.0, value_bytes, index_bytes
     )

@@ -31,22 +31,23 @@ are temporaries of one layer at a time, never residuals kept for the whole netwo
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..nn._conv import (
     Conv,
-    batched_on_top,
     conv_forward,
     conv_input_grad,
     conv_weight_grad,
     explicit_padding,
 )
+from ..nn._trace import batched_on_top
 
 _INDEX_DTYPES = (jnp.int8, jnp.int16, jnp.int32)
 
@@ -385,8 +386,168 @@ def _check_slots(layer: Any) -> None:
         )
 
 
+# -- conversion from dense layers, shared by every sparse layer type ----------------------
+
+_STORAGES = ("indices", "bits", "auto")
+
+
+def check_density(density: Any, what: str = "density") -> float:
+    """`density` as a float in (0, 1], or a ValueError naming `what`."""
+    if (
+        isinstance(density, bool)
+        or not isinstance(density, (int, float, np.floating))
+        or not 0.0 < float(density) <= 1.0
+    ):
+        raise ValueError(
+            f"{what}={density!r}; expected the fraction of weights kept, in (0, 1] "
+            "(0.3 keeps 30%; 1 is dense)."
+        )
+    return float(density)
+
+
+def check_storage(storage: Any) -> str:
+    if storage not in _STORAGES:
+        raise ValueError(
+            f"storage={storage!r}; expected one of {_STORAGES} ('indices': one integer per "
+            "slot; 'bits': one bit per dense weight; 'auto': the smaller per layer)."
+        )
+    return storage
+
+
+def check_key(key: Any, where: str) -> None:
+    """A clear TypeError for a `key` that is not a JAX PRNG key (an int seed included)."""
+    ok = isinstance(key, jax.Array) and (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        or (key.dtype == jnp.uint32 and key.shape in ((2,), (4,)))
+    )
+    if not ok:
+        got = (
+            f"an array of dtype {key.dtype} and shape {tuple(key.shape)}"
+            if hasattr(key, "dtype") and hasattr(key, "shape")
+            else f"{type(key).__name__} {key!r}"
+        )
+        raise TypeError(
+            f"{where}(key=...) must be a JAX PRNG key such as jr.PRNGKey(0) or jr.key(0), "
+            f"got {got}."
+        )
+
+
+def kept_count(size: int, density: float) -> int:
+    """The non-zeros a layer of `size` weights keeps at `density` (at least one)."""
+    return min(size, max(1, round(density * size)))
+
+
+def _choose(key: PRNGKeyArray, size: int, nnz: int, capacity: int, dtype: Any) -> Array:
+    """`nnz` distinct random positions in `[0, size)`, sorted, then empty slots (`size`)."""
+    chosen = jnp.sort(jr.choice(key, size, (nnz,), replace=False))
+    empty = jnp.full((capacity - nnz,), size, chosen.dtype)
+    return jnp.concatenate([chosen, empty]).astype(dtype)
+
+
+def _slots_of(
+    weight: Array, rank: int, density: Any, key: Any, capacity: Any, storage: Any
+) -> tuple[Array, Array]:
+    """(values, indices) keeping `round(density * size)` random weights of each stacked
+    layer of a dense `weight` whose last `rank` axes are one layer's."""
+    density = check_density(density)
+    stack, shape = tuple(weight.shape[:-rank]), tuple(weight.shape[-rank:])
+    size = math.prod(shape)
+    nnz = kept_count(size, density)
+    if capacity is None:
+        capacity = nnz
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not nnz <= capacity <= size:
+        raise ValueError(
+            f"capacity={capacity!r} for a layer of {size} weights at density={density}: "
+            f"expected an int from the {nnz} non-zeros kept up to {size} (the dense size)."
+        )
+    storage = check_storage(storage)
+    dtype = index_dtype(size)
+    if storage == "auto":
+        smaller = bitset_bytes(size) < capacity * jnp.dtype(dtype).itemsize
+        storage = "bits" if smaller else "indices"
+    n = math.prod(stack)
+    keys = jr.split(key, n)
+    indices = jnp.stack([_choose(k, size, nnz, capacity, dtype) for k in keys])
+    flat = weight.reshape(n, size)
+    picked = jnp.take_along_axis(flat, jnp.minimum(indices, size - 1).astype(jnp.int32), axis=1)
+    values = jnp.where(indices < size, picked, jnp.zeros((), flat.dtype))
+    values = values.reshape(*stack, capacity)
+    if storage == "bits":  # the slots are in the order of their positions (`_choose`)
+        indices = jax.vmap(lambda i: bits_of(i, size))(indices)
+    return values, indices.reshape(*stack, indices.shape[-1])
+
+
+def _with_weight(skeleton: Any, layer: "_Sparse") -> Any:
+    """A dense layer `skeleton` (from `eqx.filter_eval_shape`: nothing allocated, no
+    random numbers drawn) given the sparse `layer`'s dense weight and bias."""
+    weight = layer.weight
+    bias = layer.bias  # pyright: ignore[reportAttributeAccessIssue]
+    if bias is None:
+        return eqx.tree_at(lambda m: m.weight, skeleton, weight)
+    return eqx.tree_at(lambda m: (m.weight, m.bias), skeleton, (weight, bias))
+
+
 class _Sparse(eqx.Module):
-    """What every sparse layer has: values, indices and DSR's threshold exponent."""
+    """What every sparse layer has: values and indices.
+
+    A sparse layer type is one subclass: its fields, `weight_shape`, `__call__`, the rank
+    of one dense weight (`dense_rank`), and its conversions: `converts` (which dense
+    layers it replaces), `_from_slots` (itself from such a layer and the slots kept) and
+    `to_dense`. `sparsify`, `densify` and the rewiring hooks find it through this class
+    (`sparse_type_of`): no list to extend, no switch on types.
+    """
+
+    dense_rank: ClassVar[int] = 0  # axes of one dense weight (2: a matrix)
+
+    @classmethod
+    def converts(cls, layer: Any) -> bool:
+        """Whether `from_dense` takes the dense `layer`."""
+        del layer
+        return False
+
+    @classmethod
+    def _from_slots(cls, layer: Any, values: Array, indices: Array) -> Any:
+        """The sparse layer from the dense `layer`'s other fields and the slots kept."""
+        raise NotImplementedError
+
+    def to_dense(self) -> Any:
+        """The equal dense layer (stacked layers stay stacked). Memory: its dense weight."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_dense(
+        cls,
+        layer: Any,
+        density: float,
+        *,
+        key: PRNGKeyArray,
+        capacity: int | None = None,
+        storage: str = "indices",
+    ) -> Any:
+        """Keep `round(density * size)` weights of the dense `layer` at random positions
+        (Mostafa and Wang thin an initialised dense network the same way).
+
+        Args:
+            layer: the dense layer (its weight may have leading stacked-layer axes).
+            density: fraction of weights kept, in (0, 1].
+            key: picks the positions (each stacked layer its own).
+            capacity: slots per layer, at least the count kept (default: that count);
+                extra slots start empty, for rewiring that moves weights between layers.
+            storage: where the slots are: `"indices"` (one integer per slot), `"bits"`
+                (one bit per dense weight) or `"auto"` (the smaller of the two).
+
+        Raises:
+            TypeError: for a layer this type does not convert, or a key that is not one.
+            ValueError: for a density outside (0, 1] or a capacity below the count kept.
+        """
+        if not cls.converts(layer):
+            raise TypeError(
+                f"{cls.__name__}.from_dense cannot convert a {type(layer).__name__}; "
+                "eqx_lowmem.sparse.sparsify picks the sparse type of each layer."
+            )
+        check_key(key, f"{cls.__name__}.from_dense")
+        values, indices = _slots_of(layer.weight, cls.dense_rank, density, key, capacity, storage)
+        return cls._from_slots(layer, values, indices)
 
     @property
     def weight_shape(self) -> tuple[int, ...]:
@@ -449,8 +610,7 @@ class SparseLinear(_Sparse):
 
     Build one with `SparseLinear.from_dense(linear, density, key=key)` or
     `eqx_lowmem.sparse.sparsify(model, density, key=key)`. Trainable leaves: `values` and
-    `bias`; `indices` and `threshold_exp` are integers (not touched by optimizers; rewiring
-    hooks change them).
+    `bias`; `indices` are integers (not touched by optimizers; rewiring hooks change them).
 
     Memory per slot: the value (4 or 2 bytes), the optimizer's state for it (Adam: 8 bytes in
     float32) and the index (1, 2 or 4 bytes, `index_dtype`; or, as a bit set, one bit per
@@ -465,15 +625,19 @@ class SparseLinear(_Sparse):
             `storage="bits"`, a bit set `(..., ceil(size / 8))` uint8 (slots in the order
             of their positions, empty ones last; `positions()` derives them).
         bias: `(..., out_features)` dense bias, or None.
-        threshold_exp: `(...)` int32, DSR's pruning threshold as `initial * 2**threshold_exp`
-            (Mostafa and Wang double or halve it); 4 bytes a layer, unused by SET and RigL.
         in_features, out_features, use_bias: as `eqx.nn.Linear`.
+
+    Example:
+        >>> import equinox as eqx, jax.random as jr
+        >>> dense = eqx.nn.Linear(8, 4, key=jr.PRNGKey(0))
+        >>> sparse = SparseLinear.from_dense(dense, 0.5, key=jr.PRNGKey(1))
+        >>> sparse.capacity, int(sparse.nnz()), type(sparse.to_dense()).__name__
+        (16, 16, 'Linear')
     """
 
     values: Array
     indices: Array
     bias: Array | None
-    threshold_exp: Array
     in_features: int | Literal["scalar"] = eqx.field(static=True)
     out_features: int | Literal["scalar"] = eqx.field(static=True)
     use_bias: bool = eqx.field(static=True)
@@ -487,40 +651,34 @@ class SparseLinear(_Sparse):
         n_out = 1 if self.out_features == "scalar" else self.out_features
         return (n_out, n_in)
 
+    dense_rank: ClassVar[int] = 2
+
     @classmethod
-    def from_dense(
-        cls,
-        linear: eqx.nn.Linear,
-        density: float,
-        *,
-        key: PRNGKeyArray,
-        capacity: int | None = None,
-        storage: str = "indices",
-    ) -> "SparseLinear":
-        """Keep `round(density * size)` weights of `linear` at random positions.
+    def converts(cls, layer: Any) -> bool:
+        return isinstance(layer, eqx.nn.Linear)
 
-        Args:
-            linear: the dense layer (its weight may have leading stacked-layer axes).
-            density: fraction of weights kept, in (0, 1].
-            key: picks the positions (each stacked layer its own).
-            capacity: slots per layer, at least the count kept (default: that count);
-                extra slots start empty, for rewiring that moves weights between layers.
-            storage: where the slots are: `"indices"` (one integer per slot), `"bits"`
-                (one bit per dense weight) or `"auto"` (the smaller of the two).
+    @classmethod
+    def _from_slots(cls, layer, values, indices) -> "SparseLinear":
+        return cls(
+            values=values,
+            indices=indices,
+            bias=layer.bias,
+            in_features=layer.in_features,
+            out_features=layer.out_features,
+            use_bias=layer.use_bias,
+        )
 
-        Raises:
-            ValueError: for a density outside (0, 1] or a capacity below the count kept.
+    def to_dense(self) -> eqx.nn.Linear:
+        def skeleton():
+            return eqx.nn.Linear(
+                self.in_features,
+                self.out_features,
+                self.use_bias,
+                dtype=self.values.dtype,
+                key=jr.PRNGKey(0),
+            )
 
-        Example:
-            >>> import equinox as eqx, jax.random as jr
-            >>> dense = eqx.nn.Linear(8, 4, key=jr.PRNGKey(0))
-            >>> sparse = SparseLinear.from_dense(dense, 0.5, key=jr.PRNGKey(1))
-            >>> sparse.capacity, int(sparse.nnz())
-            (16, 16)
-        """
-        from ._convert import from_dense  # the one conversion, shared with sparsify
-
-        return from_dense(linear, density, key=key, capacity=capacity, storage=storage)
+        return _with_weight(eqx.filter_eval_shape(skeleton), self)
 
     @jax.named_scope("eqx_lowmem.sparse.SparseLinear")
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
@@ -568,16 +726,22 @@ class SparseConv2d(_Sparse):
     backward pass.
 
     Attributes:
-        values, indices, threshold_exp: as `SparseLinear`.
+        values, indices: as `SparseLinear`.
         bias: `(..., out_channels, 1, 1)` dense bias, or None.
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
         use_bias, padding_mode: as `eqx.nn.Conv2d`.
+
+    Example:
+        >>> import equinox as eqx, jax.random as jr
+        >>> dense = eqx.nn.Conv2d(4, 8, 3, padding=1, key=jr.PRNGKey(0))
+        >>> sparse = SparseConv2d.from_dense(dense, 0.25, key=jr.PRNGKey(1))
+        >>> sparse.size, sparse.capacity
+        (288, 72)
     """
 
     values: Array
     indices: Array
     bias: Array | None
-    threshold_exp: Array
     in_channels: int = eqx.field(static=True)
     out_channels: int = eqx.field(static=True)
     kernel_size: tuple[int, ...] = eqx.field(static=True)
@@ -596,29 +760,46 @@ class SparseConv2d(_Sparse):
     def weight_shape(self) -> tuple[int, ...]:
         return (self.out_channels, self.in_channels // self.groups, *self.kernel_size)
 
+    dense_rank: ClassVar[int] = 4
+
     @classmethod
-    def from_dense(
-        cls,
-        conv: eqx.nn.Conv2d,
-        density: float,
-        *,
-        key: PRNGKeyArray,
-        capacity: int | None = None,
-        storage: str = "indices",
-    ) -> "SparseConv2d":
-        """Keep `round(density * size)` kernel weights of `conv` at random positions
-        (arguments as `SparseLinear.from_dense`).
+    def converts(cls, layer: Any) -> bool:
+        return isinstance(layer, eqx.nn.Conv) and layer.num_spatial_dims == 2
 
-        Example:
-            >>> import equinox as eqx, jax.random as jr
-            >>> dense = eqx.nn.Conv2d(4, 8, 3, padding=1, key=jr.PRNGKey(0))
-            >>> sparse = SparseConv2d.from_dense(dense, 0.25, key=jr.PRNGKey(1))
-            >>> sparse.size, sparse.capacity
-            (288, 72)
-        """
-        from ._convert import from_dense
+    @classmethod
+    def _from_slots(cls, layer, values, indices) -> "SparseConv2d":
+        return cls(
+            values=values,
+            indices=indices,
+            bias=layer.bias,
+            in_channels=layer.in_channels,
+            out_channels=layer.out_channels,
+            kernel_size=tuple(layer.kernel_size),
+            stride=tuple(layer.stride),
+            padding=layer.padding,
+            dilation=tuple(layer.dilation),
+            groups=layer.groups,
+            use_bias=layer.use_bias,
+            padding_mode=layer.padding_mode,
+        )
 
-        return from_dense(conv, density, key=key, capacity=capacity, storage=storage)
+    def to_dense(self) -> eqx.nn.Conv2d:
+        def skeleton():
+            return eqx.nn.Conv2d(
+                self.in_channels,
+                self.out_channels,
+                self.kernel_size,
+                self.stride,
+                self.padding,
+                self.dilation,
+                self.groups,
+                self.use_bias,
+                self.padding_mode,
+                dtype=self.values.dtype,
+                key=jr.PRNGKey(0),
+            )
+
+        return _with_weight(eqx.filter_eval_shape(skeleton), self)
 
     @jax.named_scope("eqx_lowmem.sparse.SparseConv2d")
     def __call__(
@@ -641,9 +822,18 @@ class SparseConv2d(_Sparse):
         return y
 
 
-SPARSE_LAYERS: tuple[type, ...] = (SparseLinear, SparseConv2d)
-
-
 def is_sparse(x: Any) -> bool:
     """True for a sparse layer of `eqx_lowmem.sparse`."""
     return isinstance(x, _Sparse)
+
+
+def sparse_type_of(layer: Any) -> type[_Sparse] | None:
+    """The sparse layer type whose `from_dense` converts the dense `layer`, or None: every
+    subclass of the sparse layers' base is asked (`converts`)."""
+    todo = list(_Sparse.__subclasses__())
+    while todo:
+        cls = todo.pop(0)
+        if cls.converts(layer):
+            return cls
+        todo.extend(cls.__subclasses__())
+    return None

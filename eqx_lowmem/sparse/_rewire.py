@@ -6,9 +6,11 @@ counts it) and, on rewiring steps only (one loop of zero or one trip per layer, 
 after the other), prunes some occupied slots of the sparse layers and grows as many new
 positions into free slots. Shapes and dtypes never change: no host round trip, no
 recompilation. Pruned and grown slots get value 0 and zero
-optimizer state (every optimizer-state subtree shaped like the parameters: optax's `mu`,
-`nu`, `trace`, ..., also inside `eqx_lowmem.precision.half_state` and `optax.chain`),
-inside the same loops, in place: a step that does not rewire does no work on the slots.
+optimizer state (every entry of the optimizer state laid out like the parameters: optax's
+`mu`, `nu`, `trace`, ..., also under `optax.chain`, `masked`, `multi_transform`,
+`inject_hyperparams` and `eqx_lowmem.precision.half_state`; per-slot state laid out any
+other way is refused with an error, see `_Slots`), inside the same loops, in place: a step
+that does not rewire does no work on the slots.
 After rewiring, each layer's slots are put back in the order of their positions, empty
 ones last (as `sparsify` lays them out), which keeps the layers' scatter and gather fast.
 """
@@ -17,13 +19,14 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
+import optax
 from jaxtyping import Array, Int
 
 from ._convert import densify
@@ -112,10 +115,13 @@ def _place(indices, n_grow, candidates, *, size: int):
 _MAX_ROUNDS = 1 << 16
 
 
-def _grow_random(indices, n_grow, key, *, size: int, draws: int):
+def _grow_random(indices, n_grow, key, *, size: int, draws: int, max_rounds: int = _MAX_ROUNDS):
     """Fill up to `n_grow` free slots of one layer with positions drawn uniformly at random
     among the free ones, without a dense score: rounds of `draws` random positions, each
     kept if free and not drawn before (rejection sampling), until `n_grow` are placed.
+    Placing fewer within `max_rounds` rounds (free positions too rare to draw: a nearly
+    dense layer) raises an error at run time (`eqx.error_if`) rather than leaving the
+    layer with fewer non-zeros than it should hold.
 
     Memory: the dense occupancy mask (1 byte per weight), one int32 map of the free slots
     and a few arrays of `draws`. Returns the new indices and the mask of slots filled."""
@@ -141,11 +147,18 @@ def _grow_random(indices, n_grow, key, *, size: int, draws: int):
         return indices, occupied, filled + jnp.sum(use.astype(jnp.int32)), taken, key, it + 1
 
     def cond(carry):
-        return (carry[2] < n_grow) & (carry[5] < _MAX_ROUNDS)
+        return (carry[2] < n_grow) & (carry[5] < max_rounds)
 
     init = (indices, _occupied(indices, size), jnp.int32(0), jnp.zeros((cap,), bool), key, 0)
-    indices, _, _, taken, _, _ = jax.lax.while_loop(cond, body, init)
-    return indices, taken
+    indices, _, placed, taken, _, _ = jax.lax.while_loop(cond, body, init)
+    short = (
+        f"sparse rewiring drew {max_rounds} rounds of {draws} random positions in a layer "
+        f"of {size} weights ({cap} slots) without finding as many free positions as it "
+        "pruned, so the layer would keep fewer non-zeros than it should: its free "
+        "positions are too rare. Keep such a nearly dense layer dense "
+        "(sparsify(..., exclude=...)) or give it a lower density."
+    )
+    return eqx.error_if(indices, placed < n_grow, short), taken
 
 
 _CHUNK = 1 << 14  # slots placed per trip of `_in_order`'s loop
@@ -201,60 +214,120 @@ def _prune(indices, prune, size: int):
     return jnp.where(prune, jnp.asarray(size, indices.dtype), indices)
 
 
+def _is_masked(x: Any) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _laid_out_like(node: Any, params: Any) -> bool:
+    """Whether `node` is laid out like `params`: the same tree with an array at each of
+    their leaves, where an `optax.MaskedNode` may stand for any part (`optax.masked`)."""
+    if eqx.is_array(node) or _is_masked(node):
+        return False
+    ok = True
+
+    def visit(entry: Any, part: Any) -> None:
+        nonlocal ok
+        if not _is_masked(entry) and not jax.tree_util.treedef_is_leaf(jax.tree.structure(part)):
+            ok = False  # one entry for a whole subtree of parameters
+
+    try:
+        jax.tree.map(visit, node, params, is_leaf=_is_masked)
+    except (ValueError, TypeError):
+        return False
+    return ok
+
+
+_FIX = (
+    "Rewiring zeroes the state of grown and pruned slots, so it must find all of it: use "
+    "an optimizer that keeps its per-parameter state laid out like the parameters (optax's "
+    "transformations, also under optax.chain, masked, multi_transform, inject_hyperparams "
+    "and eqx_lowmem.precision.half_state), or keep the layer dense "
+    "(sparsify(..., exclude=...))."
+)
+
+
 class _Slots:
-    """Where each sparse layer's slot arrays live in a state: its `values` and every
-    optimizer-state leaf that shadows them (each optimizer-state subtree structured like
-    the parameters: optax's `mu`, `nu`, `trace`, ..., also inside
-    `eqx_lowmem.precision.half_state` and `optax.chain`)."""
+    """Where each sparse layer's slot arrays live in a state: its `values`, and every
+    optimizer-state entry that holds one number per slot of them.
+
+    The rule: per-parameter optimizer state lives in subtrees laid out like the parameters
+    (`eqx.filter(model, eqx.is_inexact_array)`), where an `optax.MaskedNode` stands for
+    what the optimizer does not see (`_laid_out_like`): optax's `mu`, `nu`, `trace`, ...,
+    also inside `optax.chain`, `masked`, `multi_transform`, `inject_hyperparams` and
+    `eqx_lowmem.precision.half_state`. In each such subtree a sparse layer's entry is an
+    array shaped like its values (zeroed where rewiring resets slots), a `MaskedNode` (no
+    state) or one number for the whole tensor (no per-slot state; left as it is). Anything
+    else fails loudly, naming where: an entry of another shape, or a floating array with
+    an axis outside every such subtree (per-slot state laid out some other way, which
+    grown slots would otherwise inherit in silence).
+    """
 
     def __init__(self, state: Any):
         self.flat, self.treedef, self.where = _sparse_of(state.model)
         self.layers = [self.flat[i][1] for i in self.where]
         params = eqx.filter(state.model, eqx.is_inexact_array)
-        self.pdef = jax.tree.structure(params)
-        with_paths = jax.tree_util.tree_flatten_with_path(params)[0]
-        paths = [jax.tree_util.keystr(p) for p, _ in with_paths]
         values_key = jax.tree_util.GetAttrKey("values")
-        self.position = [
-            paths.index(jax.tree_util.keystr((*self.flat[i][0], values_key))) for i in self.where
-        ]
-        self.nodes, self.odef = jax.tree.flatten(state.opt_state, is_leaf=self._matches)
-        self.node_leaves = [
-            jax.tree.leaves(node) if self._matches(node) else None for node in self.nodes
-        ]
-
-    def _matches(self, node: Any) -> bool:
-        return jax.tree.structure(node) == self.pdef
-
-    def _shadows(self, j: int) -> list[tuple[int, int]]:
-        shape, p = self.layers[j].values.shape, self.position[j]
-        return [
-            (k, p)
-            for k, leaves in enumerate(self.node_leaves)
-            if leaves is not None and eqx.is_array(leaves[p]) and leaves[p].shape == shape
-        ]
+        names = [_key(self.flat[i][0]) for i in self.where]
+        paths = [_key((*self.flat[i][0], values_key)) for i in self.where]
+        nodes, self.odef = jax.tree_util.tree_flatten_with_path(
+            state.opt_state, is_leaf=lambda x: _laid_out_like(x, params)
+        )
+        self.nodes = [node for _, node in nodes]
+        self.shadows: dict[int, tuple[list, Any]] = {}  # node -> (its leaves, treedef)
+        self.entries: list[list[tuple[int, int]]] = [[] for _ in self.where]
+        for k, (where, node) in enumerate(nodes):
+            if not _laid_out_like(node, params):
+                if eqx.is_inexact_array(node) and node.ndim >= 1:
+                    raise ValueError(
+                        f"the optimizer state holds a {node.dtype}{list(node.shape)} at "
+                        f"opt_state{_key(where)}, outside every subtree laid out like the "
+                        "model's parameters (where optax keeps mu, nu, trace, ...): "
+                        "rewiring cannot tell whether it holds state of the sparse layers' "
+                        f"slots. {_FIX}"
+                    )
+                continue
+            with_paths, node_def = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_masked)
+            self.shadows[k] = ([leaf for _, leaf in with_paths], node_def)
+            at = {_key(p): i for i, (p, leaf) in enumerate(with_paths) if not _is_masked(leaf)}
+            for j, (x, path) in enumerate(zip(self.layers, paths, strict=True)):
+                if path not in at:
+                    continue  # under a MaskedNode: the optimizer keeps nothing for it
+                entry = with_paths[at[path]][1]
+                if eqx.is_array(entry) and entry.shape == x.values.shape:
+                    self.entries[j].append((k, at[path]))
+                elif not (eqx.is_array(entry) and entry.size == 1):
+                    got = f"{entry.dtype}{list(entry.shape)}" if eqx.is_array(entry) else entry
+                    raise ValueError(
+                        f"the optimizer state at opt_state{_key(where)}{path} is {got}, "
+                        f"for the values {list(x.values.shape)} of the sparse layer at "
+                        f"{names[j] or 'the root'}: rewiring zeroes one entry per slot and "
+                        f"cannot map this one (a factored or flattened statistic). {_FIX}"
+                    )
 
     def get(self, j: int) -> list[Array]:
         """Layer `j`'s values, then its optimizer-state entries."""
-        shadows = [self.node_leaves[k][p] for k, p in self._shadows(j)]  # pyright: ignore
-        return [self.layers[j].values, *shadows]
+        entries = [self.shadows[k][0][i] for k, i in self.entries[j]]
+        return [self.layers[j].values, *entries]
 
     def set(self, j: int, slots: list[Array]) -> None:
         self.layers[j] = dataclasses.replace(self.layers[j], values=slots[0])
-        for (k, p), s in zip(self._shadows(j), slots[1:], strict=True):
-            self.node_leaves[k][p] = s  # pyright: ignore[reportOptionalSubscript]
+        for (k, i), s in zip(self.entries[j], slots[1:], strict=True):
+            self.shadows[k][0][i] = s
 
     def state(self, state: Any) -> Any:
         leaves = [x for _, x in self.flat]
         for i, x in zip(self.where, self.layers, strict=True):
             leaves[i] = x
-        nodes = [
-            node if ls is None else jax.tree.unflatten(self.pdef, ls)
-            for node, ls in zip(self.nodes, self.node_leaves, strict=True)
-        ]
+        nodes = list(self.nodes)
+        for k, (node_leaves, node_def) in self.shadows.items():
+            nodes[k] = jax.tree.unflatten(node_def, node_leaves)
         model = jax.tree_util.tree_unflatten(self.treedef, leaves)
-        opt_state = jax.tree.unflatten(self.odef, nodes)
+        opt_state = jax.tree_util.tree_unflatten(self.odef, nodes)
         return dataclasses.replace(state, model=model, opt_state=opt_state)
+
+
+def _key(path: tuple) -> str:
+    return jax.tree_util.keystr(path)
 
 
 def _when(do: Array, fn: Callable, carry: Any, extra: Any) -> Any:
@@ -269,12 +342,13 @@ def _when(do: Array, fn: Callable, carry: Any, extra: Any) -> Any:
     return jax.lax.while_loop(lambda c: c[0], body, (do, carry))[1]
 
 
-def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -> Any:
-    """Rewire the sparse layers of `state` if `do`, strictly one layer after the other.
+def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -> tuple:
+    """Rewire the sparse layers of `state` if `do`, strictly one layer after the other;
+    returns the new state and what `plan` returned besides the plans.
 
     `plan(layers, do)` returns, per sparse layer, a small plan with the layer's
-    stacked-layer count as leading axis (anything when not `do`), and the layers' new
-    threshold exponent (or None to keep it). Then for each layer a loop of zero or one
+    stacked-layer count as leading axis (anything when not `do`), and anything else the
+    hook needs back (DSR: its new threshold exponent). Then for each layer a loop of zero or one
     trip (`_when`) runs `one(x, indices, plan, key, values) -> (indices, reset)` on every
     stacked layer (flat `(capacity,)` arrays), zeroes the values and every
     optimizer-state entry shadowing them at the `reset` slots, and puts the slots back in
@@ -287,7 +361,7 @@ def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -
     slots = _Slots(state)
     layers = slots.layers
     counts = [math.prod(x.stack_shape) for x in layers]
-    plans, exp = plan(list(layers), do)
+    plans, extra = plan(list(layers), do)
     for j, (x, n, k) in enumerate(zip(layers, counts, jr.split(keys, len(layers)), strict=True)):
         arrays = slots.get(j)
 
@@ -308,11 +382,8 @@ def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -
         carry = (_flat2(x.indices, n), *arrays)
         indices, *arrays = _when(do, rewired, carry, (plans[j], jr.split(k, n)))
         slots.set(j, arrays)
-        fields = {"indices": indices.reshape(x.indices.shape)}
-        if exp is not None:
-            fields["threshold_exp"] = jnp.broadcast_to(exp, x.threshold_exp.shape)
-        layers[j] = dataclasses.replace(slots.layers[j], **fields)
-    return slots.state(state)
+        layers[j] = dataclasses.replace(slots.layers[j], indices=indices.reshape(x.indices.shape))
+    return slots.state(state), extra
 
 
 def _if_updated(do: Array, info: Any) -> Array:
@@ -389,16 +460,17 @@ def _below(i: Array, v: Array, cut: Array, size: int) -> Array:
     return (i < size) & (jnp.abs(v).astype(jnp.float32) < cut)
 
 
-def _dsr_plan(layers: list, do: Array, *, threshold: float, fraction: float, tolerance: float):
+def _dsr_plan(
+    layers: list, do: Array, *, exp: Array, threshold: float, fraction: float, tolerance: float
+):
     """Mostafa and Wang's global decision, for `_rewire`: the count each layer regrows
     (freed weights across layers in proportion to survivors), the threshold it prunes
-    below, and the adapted threshold.
+    below (`threshold * 2**exp`), and the adapted exponent.
 
     Each layer's counts come from its own loop of zero or one trip, chained one after the
     other, so that only one layer's temporaries exist at a time; the layer's rewiring finds
     the same slots again from the values it carries (`_dsr_one`)."""
     counts = [math.prod(x.stack_shape) for x in layers]
-    exp = layers[0].threshold_exp.reshape(-1)[0]
     cut = threshold * jnp.exp2(exp.astype(jnp.float32))
 
     survivors, removed = [], []
@@ -493,12 +565,15 @@ def dsr(
             `period` updates for ever.
 
     Returns:
-        `hook(state, info) -> state`, for `make_step(..., after_update=hook)`.
+        `hook(state, info) -> state`, for `make_step(..., after_update=hook)`. `H` is the
+        hook's state between steps, one scalar in the training state
+        (`TrainState.hook_state`, a `DSRState`), which `hook.init(model)` makes and
+        `Step.init` calls.
 
     Raises:
         ValueError: for a non-positive `period`, `threshold` or `total_steps`, or a
-            `fraction` or `tolerance` outside (0, 1]; when first run, for a model without
-            sparse layers.
+            `fraction` or `tolerance` outside (0, 1]; at `init` or when first run, for a
+            model without sparse layers; when run on a state without its `DSRState`.
 
     Example:
         >>> hook = dsr(period=100, total_steps=10_000)
@@ -519,18 +594,57 @@ def dsr(
     if total_steps is not None:
         _check_int("total_steps", total_steps, 1)
 
-    def hook(state: Any, info: Any) -> Any:
+    return _DSR(period, fraction, threshold, tolerance, total_steps)
+
+
+class DSRState(NamedTuple):
+    """DSR's state between steps (`TrainState.hook_state`): its global pruning threshold
+    `H = threshold * 2**threshold_exp`, as the exponent (Mostafa and Wang double or halve
+    `H`); 4 bytes for the whole model."""
+
+    threshold_exp: Int[Array, ""]
+
+
+_NO_DSR_STATE = (
+    "dsr keeps its threshold in the training state's hook_state, which Step.init makes: "
+    "state = make_step(..., after_update=hook).init(model, key=key). A TrainState built "
+    "by hand needs TrainState(..., hook_state=hook.init(model)); got hook_state={!r}."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DSR:
+    """The hook `dsr` returns: `hook(state, info) -> state`, and `init(model)` for its
+    `DSRState`."""
+
+    period: int
+    fraction: float
+    threshold: float
+    tolerance: float
+    total_steps: int | None
+
+    def init(self, model: Any) -> DSRState:
+        """DSR's part of the training state: `H` at its initial `threshold`."""
+        _sparse_of(model)  # a clear error for a dense model, before any step
+        return DSRState(jnp.zeros((), jnp.int32))
+
+    def __call__(self, state: Any, info: Any) -> Any:
         _sparse_of(state.model)  # a clear error for a dense model, before tracing more
-        p = _dsr_period(state.step, period, total_steps)
+        hook_state = getattr(state, "hook_state", None)
+        if not isinstance(hook_state, DSRState):
+            raise ValueError(_NO_DSR_STATE.format(hook_state))
+        p = _dsr_period(state.step, self.period, self.total_steps)
         do = _if_updated((p > 0) & (state.step % jnp.maximum(p, 1) == 0), info)
-
         plan = functools.partial(
-            _dsr_plan, threshold=threshold, fraction=fraction, tolerance=tolerance
+            _dsr_plan,
+            exp=hook_state.threshold_exp,
+            threshold=self.threshold,
+            fraction=self.fraction,
+            tolerance=self.tolerance,
         )
-        one = functools.partial(_dsr_one, fraction=fraction)
-        return _rewire(state, do, plan, one, info.key)
-
-    return hook
+        one = functools.partial(_dsr_one, fraction=self.fraction)
+        new, exp = _rewire(state, do, plan, one, info.key)
+        return dataclasses.replace(new, hook_state=DSRState(exp))
 
 
 # -- SET and RigL -------------------------------------------------------------------------
@@ -623,7 +737,7 @@ def _swap_hook(
                 ni, taken = _grow_random(pi, count, key, size=x.size, draws=k_max)
             return ni, prune | taken
 
-        return _rewire(state, do, plan, one, info.key)
+        return _rewire(state, do, plan, one, info.key)[0]
 
     return hook
 
@@ -632,18 +746,11 @@ def _dense_grads(model: Any, grad_fn: Callable[[Any], Any]) -> list[Array]:
     """The dense weight gradient of every sparse layer (stacked axes first), from the
     step's `grad_fn` at the densified model."""
     flat, _, where = _sparse_of(model)
-    paths = [jax.tree_util.keystr(flat[i][0]) for i in where]
     grads = grad_fn(densify(model))
-
-    def is_layer(x):
-        return isinstance(x, (eqx.nn.Linear, eqx.nn.Conv))
-
-    found = {
-        jax.tree_util.keystr(p): g.weight
-        for p, g in jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_layer)[0]
-        if is_layer(g)
-    }
-    return [found[p] for p in paths]
+    # Each sparse layer's dense layer (`to_dense`) sits at its path, its weight at `.weight`.
+    found = dict(jax.tree_util.tree_flatten_with_path(grads)[0])
+    weight = jax.tree_util.GetAttrKey("weight")
+    return [found[(*flat[i][0], weight)] for i in where]
 
 
 def set_(

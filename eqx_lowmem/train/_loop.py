@@ -1,9 +1,12 @@
 """The Trainer's training loop: updates over the stream's epochs, reading each update's
 metrics while the next one runs, and saving, evaluating and stopping between them."""
 
+import itertools
 import math
 import time
+from collections.abc import Callable
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -35,7 +38,8 @@ def _epoch(trainer, run: Run, bar: Progress) -> None:
     """Updates from the stream's position to the end of its epoch (or of the run)."""
     stream = run.stream
     epoch = stream.epoch
-    batches = stream.prefetch(sharding=_prefetch_sharding(trainer, stream))
+    check = _host_check(trainer) if trainer.check_data else None
+    batches = stream.prefetch(sharding=_prefetch_sharding(trainer, stream), check=check)
     pending: tuple[dict, int] | None = None  # an update whose metrics are not read yet
     # Read an update's metrics while the next one runs, when no decision waits on them:
     # with a loss scale a non-finite update is skipped inside the step; without one it
@@ -45,13 +49,6 @@ def _epoch(trainer, run: Run, bar: Progress) -> None:
     try:
         for micro in groups(batches, trainer.accumulate):
             served = True
-            if trainer.check_data:
-                try:
-                    _check_data(trainer, micro, run, epoch)
-                except ValueError:
-                    if pending is not None:  # keep the state and the history in step
-                        _finish(trainer, run, bar, *pending)
-                    raise
             batch, weights = _assemble(trainer, micro, stream.batch_size)
             assert trainer.state is not None
             trainer.state, metrics = trainer.step_fn(trainer.state, batch, weights)
@@ -71,6 +68,14 @@ def _epoch(trainer, run: Run, bar: Progress) -> None:
         if pending is not None:
             _finish(trainer, run, bar, *pending)
             pending = None
+    except _BadBatch as bad:
+        if pending is not None:  # keep the state and the history in step
+            _finish(trainer, run, bar, *pending)
+        raise ValueError(
+            f"micro-batch {bad.index % trainer.accumulate + 1} of update "
+            f"{run.partial['updates'] + 1} of epoch {epoch + 1} (before that update; "
+            f"check_data=False skips this check): {bad.error}"
+        ) from bad.error
     finally:
         batches.close()  # stops and joins the prefetch thread on every exit path
     if not served:
@@ -84,16 +89,33 @@ def _epoch(trainer, run: Run, bar: Progress) -> None:
         _act(trainer, run)
 
 
-def _check_data(trainer, micro: list[tuple], run: Run, epoch: int) -> None:
+class _BadBatch(Exception):
+    """`check_batch`'s `error` for the `index`-th batch (from 0) of an epoch's prefetch."""
+
+    def __init__(self, index: int, error: ValueError):
+        super().__init__(index, error)
+        self.index, self.error = index, error
+
+
+def _host_check(trainer) -> Callable[[tuple], None]:
+    """`check_batch` for the prefetch thread: on each micro-batch's host arrays before
+    they are copied to the device (on a GPU no copy back and no wait for the step), with
+    the model's shapes only (nothing the running step donates)."""
     assert trainer.state is not None
-    for i, m in enumerate(micro):
+    model = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x,
+        trainer.state.model,
+    )
+    count = itertools.count()  # the batches of one epoch's prefetch start an update
+
+    def check(batch: tuple) -> None:
+        index = next(count)
         try:
-            check_batch(trainer.loss, trainer.state.model, tuple(m))
+            check_batch(trainer.loss, model, tuple(batch))
         except ValueError as e:
-            raise ValueError(
-                f"micro-batch {i + 1} of update {run.partial['updates'] + 1} of epoch "
-                f"{epoch + 1} (before that update; check_data=False skips this check): {e}"
-            ) from e
+            raise _BadBatch(index, e) from e
+
+    return check
 
 
 def _decision_due(trainer, run: Run) -> bool:

@@ -92,8 +92,9 @@ def make_step(
             with an `UpdateInfo`: the mean gradient, a fresh key, `grad_fn` for another
             gradient of the batch, and `finite`, False when the update was skipped (gate
             on it: the sparse hooks rewire only after an applied update). It must keep
-            every leaf's shape and dtype. Sparse training rewires there
-            (`eqx_lowmem.sparse`).
+            every leaf's shape and dtype. A hook with an `init(model)` method keeps state
+            between steps in `TrainState.hook_state`, which `Step.init` fills from it
+            (DSR's threshold). Sparse training rewires there (`eqx_lowmem.sparse`).
         jit: False runs the step eagerly (for debugging).
         accumulate_dtype: the dtype of each micro-batch's gradient and of their
             accumulator: `jnp.float32` (default), or 16 bits (`jnp.float16`, which needs a

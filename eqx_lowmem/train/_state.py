@@ -26,6 +26,9 @@ class TrainState(eqx.Module):
         key: PRNG key; split on every call for dropout and stochastic rounding.
         model_state: `eqx.nn.State` of stateful layers (BatchNorm), or None.
         loss_scale: the `DynamicLossScale`, or None.
+        hook_state: what the `after_update` hook keeps between steps (DSR's threshold:
+            `eqx_lowmem.sparse.DSRState`), from the hook's `init(model)`; None for a
+            hook without `init`, or without a hook.
     """
 
     step: Int[Array, ""]
@@ -34,6 +37,7 @@ class TrainState(eqx.Module):
     key: PRNGKeyArray
     model_state: Any = None
     loss_scale: DynamicLossScale | None = None
+    hook_state: Any = None
 
 
 def is_dynamic(x: Any) -> bool:

@@ -181,6 +181,8 @@ class Step:
         model, model_state, key, loss_scale = copy_arrays((model, model_state, key, c.loss_scale))
         with jax.numpy_dtype_promotion("standard"):
             opt_state = c.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+        hook_init = getattr(c.after_update, "init", None)  # a hook's state (DSR's threshold)
+        hook_state = None if hook_init is None else copy_arrays(hook_init(model))
         state = TrainState(
             step=jnp.asarray(0, jnp.int32),
             model=model,
@@ -188,6 +190,7 @@ class Step:
             key=key,
             model_state=model_state,
             loss_scale=loss_scale,
+            hook_state=hook_state,
         )
         if c.mesh is not None:
             shardings = self.state_shardings(state)

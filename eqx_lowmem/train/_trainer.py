@@ -138,8 +138,9 @@ class Trainer:
         check_data: check every micro-batch on the host before its update for data a loss
             would silently accept (`eqx_lowmem.train._losses.check_batch`: NaN or inf, and
             labels or token ids outside the model's classes for the built-in losses). Time:
-            one pass over each batch on the host (on a GPU, a copy of it back). False
-            checks only the first batch.
+            one pass over each batch's host arrays in the prefetch thread, before they are
+            copied to the device (no copy back, no wait for the step). False checks only
+            the first batch.
         config: a JSON-serialisable dict of your own settings (model size, data file, ...)
             recorded in every checkpoint; a rerun with a different one is refused.
         check_resume: refuse to resume a checkpoint made with other settings: the
