@@ -32,16 +32,24 @@ FIGURES = ("argument", "output", "temp", "alias")
 REPORT_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
+def _sparse_mlp() -> tuple:
+    """A 2-layer MLP at 30% density (shapes only) and its batch's shapes: the suite's flags
+    move its step's temporaries by 13% (56,288 bytes against 49,184 with DSR and
+    `accumulate=4`) and memory_report's by 1%."""
+    model = el.nn.mlp([64, 64, 10], key=jr.PRNGKey(0))
+    sparse = eqx.filter_eval_shape(
+        lambda m: el.sparse.sparsify(m, 0.3, key=jr.PRNGKey(1), slack=0.1), model
+    )
+    batch = (jax.ShapeDtypeStruct((32, 64), jnp.float32), jax.ShapeDtypeStruct((32,), jnp.int32))
+    return sparse, batch
+
+
 def programs() -> dict:
     """Small training steps of the kinds whose memory the suite asserts, as
     `(step, state shapes, batch shapes)`; on both, the suite's flags move the temporaries:
     sparse layers with DSR and micro-batches, and a fused, tied causal LM in mixed precision
     (its stack recomputed)."""
-    sparse = el.sparse.sparsify(
-        el.nn.mlp([256, 256, 256, 10], key=jr.PRNGKey(0)), 0.3, key=jr.PRNGKey(1), slack=0.1
-    )
-    x = jax.ShapeDtypeStruct((64, 256), jnp.float32)
-    y = jax.ShapeDtypeStruct((64,), jnp.int32)
+    sparse, (x, y) = _sparse_mlp()
     dsr = el.train.make_step(
         el.train.cross_entropy, optax.adam(1e-3), accumulate=4, after_update=el.sparse.dsr()
     )
@@ -66,11 +74,8 @@ def figures(compiled) -> dict:
 
 
 def report_figures() -> dict:
-    """The compiled figures of `memory_report` for a sparse MLP with micro-batches."""
-    sparse = el.sparse.sparsify(
-        el.nn.mlp([256, 256, 256, 10], key=jr.PRNGKey(0)), 0.3, key=jr.PRNGKey(1), slack=0.1
-    )
-    batch = (jax.ShapeDtypeStruct((64, 256), jnp.float32), jax.ShapeDtypeStruct((64,), jnp.int32))
+    """The compiled figures of `memory_report` for the sparse MLP with micro-batches."""
+    sparse, batch = _sparse_mlp()
     report = el.memory.memory_report(
         sparse, el.train.cross_entropy, optax.adam(1e-3), batch, accumulate=4
     )

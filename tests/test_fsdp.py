@@ -87,7 +87,8 @@ for n in (2, 4, 8):
 )
 
 
-def _equal(precision: str, shard: str = "fsdp") -> str:
+def _equal(precision: str, shards: tuple[str, ...] = ("fsdp",)) -> str:
+    """Five updates on one device, and on 4 devices with each of `shards`: `result[shard]`."""
     return f"""
 opt = optax.sgd(0.1, momentum=0.9)
 def train(step):
@@ -97,15 +98,18 @@ def train(step):
     return params(state), float(metrics["loss"])
 one, loss_one = train(el.train.make_step(el.train.next_token_loss, opt, accumulate=4,
                                          precision="{precision}"))
-four, loss_four = train(el.train.make_step(el.train.next_token_loss, opt, accumulate=4,
-                                           precision="{precision}", mesh=mesh(4),
-                                           shard="{shard}"))
-diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one, four))
 scale = max(float(np.max(np.abs(a))) for a in one)
 moved = max(float(np.max(np.abs(a - b))) for a, b in
             zip(one, params(el.train.make_step(el.train.next_token_loss, opt)
                             .init(lm(), key=jr.PRNGKey(2)))))
-result = {{"diff": diff, "scale": scale, "moved": moved, "loss": [loss_one, loss_four]}}
+result = {{}}
+for shard in {shards!r}:
+    four, loss_four = train(el.train.make_step(el.train.next_token_loss, opt, accumulate=4,
+                                               precision="{precision}", mesh=mesh(4),
+                                               shard=shard))
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one, four))
+    result[shard] = {{"diff": diff, "scale": scale, "moved": moved,
+                      "loss": [loss_one, loss_four]}}
 """
 
 
@@ -220,8 +224,7 @@ def quick():
     """The default suite's sections: one process, two small compiles."""
     return _run(
         {
-            "equal/float32": _equal("float32"),
-            "equal/data": _equal("float32", shard="data"),
+            "equal/float32": _equal("float32", shards=("fsdp", "data")),
             "bad_input": BAD_INPUT,
         }
     )
@@ -262,17 +265,17 @@ def test_fsdp_divides_argument_bytes_and_reduce_scatters_gradients(sections):
         assert [s for s in data["all_reduce_shapes"] if whole.search(s)]
 
 
-@pytest.mark.parametrize("section", ["equal/float32", "equal/data"])
-def test_fsdp_and_data_parallel_on_four_devices_equal_one_device(quick, section):
+@pytest.mark.parametrize("shard", ["fsdp", "data"])
+def test_fsdp_and_data_parallel_on_four_devices_equal_one_device(quick, shard):
     # Sharded parameters (FSDP), or replicated ones with the batch split (`shard="data"`).
-    result = _result(quick, section)
+    result = _result(quick, "equal/float32")[shard]
     assert result["moved"] > 1e-3  # the five updates really trained
     assert result["diff"] <= 1e-5 * max(1.0, result["scale"]), result
 
 
 @pytest.mark.slow  # a process of its own, with the sections below
 def test_fsdp_in_mixed_bf16_on_four_devices_equals_one_device(sections):
-    result, tol = _result(sections, "equal/mixed_bf16"), 1e-3
+    result, tol = _result(sections, "equal/mixed_bf16")["fsdp"], 1e-3
     assert result["moved"] > 1e-3  # the five updates really trained
     assert result["diff"] <= tol * max(1.0, result["scale"]), result
 
