@@ -1,4 +1,10 @@
-"""Shared by the benchmark scripts: the environment record and atomic JSON output."""
+"""The benchmark scripts' harness: the environment record, atomic JSON output, timing
+(medians, and rounds that interleave what is compared), worker processes (one per
+configuration, or one per core, pinned) and plots.
+
+Every script in `benchmarks/` uses it: `sys.path.insert(0, <benchmarks>)`, then
+`from _common import ...`.
+"""
 
 import datetime as dt
 import json
@@ -7,10 +13,11 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -67,6 +74,40 @@ def time_median(fn: Callable[[], Any], *, repeats: int = 5, burn_in: int = 2) ->
     return statistics.median(times)
 
 
+class Rounds(NamedTuple):
+    """Seconds of each timed call, one entry per round: wall clock and this process's CPU
+    time (all its threads; less moved than the wall clock by other processes' load)."""
+
+    wall: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+
+
+def interleaved(calls: dict[str, Callable[[], Any]], rounds: int) -> Rounds:
+    """Time every call once per round, the calls in turn: in their order in even rounds and
+    reversed in odd ones (ABBA), so that the drift of a machine shared with other work
+    weighs on all of them alike. Compare two of them with `median_ratio`.
+
+    Each call must block until its work is done (for JAX, `jax.block_until_ready`); burn
+    in (compile) before.
+    """
+    names = list(calls)
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            calls[name]()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return Rounds(wall, cpu)
+
+
+def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """The median over rounds of `a[i] / b[i]`: two timings taken side by side (the same
+    round), which cancels the machine's drift better than a ratio of medians."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
 def compiled_memory(compiled) -> dict[str, int] | None:
     """Bytes from `compiled.memory_analysis()`, with peak = argument + output + temp - alias
     (XLA:CPU's own `peak_memory_in_bytes` leaves the temporaries out)."""
@@ -87,12 +128,14 @@ MARKER = "RESULT "
 
 
 def spawn_results(
-    script: str | Path, payload: Any, *, timeout: float
+    script: str | Path, payload: Any, *, timeout: float, env: dict[str, str] | None = None
 ) -> tuple[list[Any], subprocess.CompletedProcess | None]:
-    """Run `script --worker <payload as JSON>` in a fresh Python process; return the JSON of
-    every stdout line starting with `MARKER`, in order, and the finished process (None when
-    it ran past `timeout`: then the lines printed so far are lost with it)."""
+    """Run `script --worker <payload as JSON>` in a fresh Python process (this process's
+    environment, updated with `env`); return the JSON of every stdout line starting with
+    `MARKER`, in order, and the finished process (None when it ran past `timeout`: then the
+    lines printed so far are lost with it)."""
     cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(payload)]
+    environment = None if env is None else {**os.environ, **env}
 
     def results(stdout: str) -> list[Any]:
         return [
@@ -100,19 +143,134 @@ def spawn_results(
         ]
 
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=environment)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         return results(out), None
     return results(proc.stdout), proc
 
 
-def spawn(script: str | Path, spec: dict, *, timeout: float = 1800) -> dict:
-    """Run `script --worker <spec as JSON>` in a fresh Python process; return the JSON it
-    printed on its last line starting with `MARKER`."""
-    lines, proc = spawn_results(script, spec, timeout=timeout)
+def spawn(
+    script: str | Path, spec: dict, *, timeout: float = 1800, env: dict[str, str] | None = None
+) -> dict:
+    """Run `script --worker <spec as JSON>` in a fresh Python process (environment as
+    `spawn_results`); return the JSON it printed on its last line starting with `MARKER`.
+
+    Raises:
+        RuntimeError: when the worker fails, runs past `timeout` or prints no result.
+    """
+    lines, proc = spawn_results(script, spec, timeout=timeout, env=env)
     if proc is None or proc.returncode or not lines:
         code = "a timeout" if proc is None else f"exit code {proc.returncode}"
         stderr = "" if proc is None else proc.stderr[-4000:]
         raise RuntimeError(f"worker {spec} failed with {code}:\n{stderr}")
     return lines[-1]
+
+
+# ------------------------------------------------------------------ workers, one per core
+
+
+def cores() -> list[int]:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def workers_per_core(jobs: int) -> int:
+    """One worker per job, at most one per core."""
+    return max(1, min(jobs, len(cores())))
+
+
+def launcher(script: str | Path) -> list[str]:
+    """The command line that started this process, up to `script`: a worker starts the way
+    this process did (the same interpreter and options, or the `-c` launcher that the test
+    suite runs a script under, with its type checking)."""
+    me = Path(script).resolve()
+    for i, arg in enumerate(sys.orig_argv[1:], start=1):
+        try:
+            if Path(arg).resolve() == me:
+                return [sys.executable, *sys.orig_argv[1:i]]
+        except (OSError, ValueError):  # not a path (the `-c` program's text, say)
+            continue
+    return [sys.executable]
+
+
+def run_pinned(script: str | Path, specs: list[dict], workers: int) -> list[Any]:
+    """Run `script --worker <spec as JSON>` for each of `specs`, at most `workers` at a time,
+    each process pinned to a core of its own; return what each wrote (`pinned_worker`), in
+    the order of `specs`.
+
+    For jobs that gain little from a second core each (XLA:CPU runs one small update only
+    about 1.2x faster on two cores than on one): two one-core processes side by side then
+    do about 1.6x the work. Each spec gains `core` and `out` (the worker's JSON file, read
+    back here). The first failure kills the others at once and raises, naming the failed
+    specs' `label` and exit codes.
+    """
+    launch = [*launcher(script), str(Path(script).resolve()), "--worker"]
+    available = cores()
+    free = [available[w % len(available)] for w in range(max(1, min(workers, len(specs))))]
+    with tempfile.TemporaryDirectory(prefix="benchmark_workers_") as tmp:
+        outs = [Path(tmp) / f"worker{i}.json" for i in range(len(specs))]
+        pending, running, failed = list(range(len(specs))), {}, []
+        while pending or running:
+            while pending and free:
+                i, core = pending.pop(0), free.pop(0)
+                spec = {**specs[i], "core": core, "out": str(outs[i])}
+                running[i] = (core, subprocess.Popen([*launch, json.dumps(spec)]))
+            for i, (core, proc) in list(running.items()):
+                rc = proc.poll()
+                if rc is not None:
+                    del running[i]
+                    free.append(core)
+                    if rc != 0:
+                        failed.append(f"{specs[i].get('label', i)} exit code {rc}")
+            if failed:
+                for _, proc in running.values():
+                    proc.kill()
+                    proc.wait()
+                raise RuntimeError(
+                    f"{Path(script).stem} workers failed (their output is above): "
+                    + ", ".join(failed)
+                )
+            if running:
+                time.sleep(1.0)
+        return [json.loads(out.read_text()) for out in outs]
+
+
+def pinned_worker(spec_json: str, work: Callable[[dict], Any]) -> int:
+    """A worker of `run_pinned`: pin this process to its core (before JAX starts its
+    threads), run `work(spec)` and write its JSON result atomically where `run_pinned`
+    reads it."""
+    from eqx_lowmem._io import write_json as atomic_write_json
+
+    spec = json.loads(spec_json)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {spec["core"]})
+    atomic_write_json(spec["out"], work(spec))
+    return 0
+
+
+# --------------------------------------------------------------------------------- plots
+
+
+def pyplot() -> Any:
+    """`matplotlib.pyplot` drawing to files only (the Agg backend: no display needed)."""
+    import matplotlib as mpl
+
+    mpl.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Save `fig` as a PNG at `path` atomically (a temporary file, then a rename), and close
+    it."""
+    from eqx_lowmem._io import atomic_write
+
+    fig.tight_layout()
+    try:
+        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
+    finally:
+        pyplot().close(fig)

@@ -40,9 +40,11 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo, if not installed
-from _common import (
-    compiled_memory as memory,  # noqa: E402
-    write_json,  # noqa: E402
+from _common import (  # noqa: E402
+    compiled_memory as memory,
+    interleaved,
+    median_ratio,
+    write_json,
 )
 
 import eqx_lowmem as el  # noqa: E402
@@ -252,21 +254,22 @@ def main() -> None:
         per_update[name] = time.perf_counter() - t0
     updates = {name: max(1, round(args.seconds / t)) for name, t in per_update.items()}
 
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            v, batch = variants[name], timed[name]
-            t0 = time.perf_counter()
+    def timing(name: str):
+        def run():
             out = None
             for _ in range(updates[name]):
-                out = v.update(batch)
+                out = variants[name].update(timed[name])
             jax.block_until_ready(out)
-            samples[name].append(updates[name] / (time.perf_counter() - t0))
+
+        return run
+
+    names = list(variants)
+    seconds = interleaved({name: timing(name) for name in names}, args.rounds).wall
+    samples = {name: [updates[name] / t for t in seconds[name]] for name in names}
 
     def ratio(a: str, b: str) -> float:
         """Median over rounds of a's updates/s over b's, measured side by side."""
-        return statistics.median(x / y for x, y in zip(samples[a], samples[b], strict=True))
+        return median_ratio(samples[a], samples[b])
 
     whole = rows["whole_batch"]
     for name in names:

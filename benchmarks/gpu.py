@@ -45,8 +45,9 @@ to `benchmarks/results/gpu.json` (device, versions, date).
 
 `--smoke` runs every configuration at tiny sizes (CPU: `memory_stats()` is None, so the
 measured peaks are null), all in one worker process to stay quick, and writes
-`benchmarks/results/gpu_smoke.json` unless `--out` says otherwise. The script needs no
-installation: it puts the checkout's root on `sys.path`.
+`gpu_smoke.json` in the temporary directory, not among the results (a check of the script,
+not a measurement), unless `--out` says otherwise. The script needs no installation: it
+puts the checkout's root on `sys.path`.
 """
 
 import os
@@ -909,7 +910,8 @@ def main() -> None:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = cache.name
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-    out = args.out or RESULTS / ("gpu_smoke.json" if args.smoke else "gpu.json")
+    default = Path(tempfile.gettempdir()) / "gpu_smoke.json" if args.smoke else RESULTS / "gpu.json"
+    out = args.out or default
     print(f"{len(names)} configurations, {size} sizes, backend {backend}", flush=True)
     t0 = time.perf_counter()
     results = run_all(names, size, args.budget, jobs=SMOKE_JOBS if args.smoke else None)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo, if not installed
-from _common import write_json  # noqa: E402
+from _common import MARKER, spawn, write_json  # noqa: E402
 
 GUIDE = {"layers": 12, "d_model": 512, "heads": 8, "d_ff": 2048, "seq": 256, "batch": 32}
 # name: (model, remat, accumulate, precision)
@@ -72,7 +72,7 @@ def build(config: dict):
     return model, el.train.mse, optax.sgd(1e-2, momentum=0.9), (x, x)
 
 
-def child(name: str, out: str) -> None:
+def child(name: str) -> None:
     """One configuration in this (fresh) process: predict, and measure on an accelerator."""
     import jax
 
@@ -93,27 +93,18 @@ def child(name: str, out: str) -> None:
         name=name,
     )
     seconds = time.perf_counter() - t0
-    print(report, flush=True)
-    Path(out).write_text(json.dumps({"seconds": seconds, "report": report.to_dict()}))
+    print(MARKER + json.dumps({"seconds": seconds, "report": report.to_dict()}), flush=True)
 
 
 def run_child(name: str, platform: str | None) -> dict | None:
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     if platform:
         env["JAX_PLATFORMS"] = platform
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "out.json"
-        done = subprocess.run(
-            [sys.executable, __file__, "--child", name, "--out", str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        if done.returncode != 0:
-            print(f"{name} ({platform or 'default'}) failed:\n{done.stderr[-3000:]}", flush=True)
-            return None
-        return json.loads(out.read_text())
+    try:
+        return spawn(__file__, {"name": name}, timeout=600, env=env)
+    except RuntimeError as e:
+        print(f"{name} ({platform or 'default'}) failed: {e}", flush=True)
+        return None
 
 
 def time_cli() -> dict:
@@ -135,13 +126,12 @@ def time_cli() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--only", action="append", choices=sorted(CONFIGS))
     parser.add_argument("--no-cli", action="store_true", help="skip timing the CLI")
     args = parser.parse_args()
-    if args.child:
-        child(args.child, args.out)
+    if args.worker:
+        child(json.loads(args.worker)["name"])
         return
 
     import jax

@@ -62,8 +62,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo, if not installed
 from _common import (  # noqa: E402
     MARKER,
-    compiled_memory as _memory,  # noqa: E402
-    spawn as _spawn,  # noqa: E402
+    compiled_memory as _memory,
+    interleaved,
+    median_ratio,
+    spawn as _spawn,
     write_json,
 )
 
@@ -347,22 +349,21 @@ def run_steps(cfg: dict, spec: dict, paired: bool):
         jax.block_until_ready(r.ready())
         return check
 
-    def session(r) -> float:
-        t0 = time.perf_counter()
-        for _ in range(STEPS_PER_SESSION):
-            r.update(batch)
-        jax.block_until_ready(r.ready())
-        return time.perf_counter() - t0
+    def session(r):
+        def run():
+            for _ in range(STEPS_PER_SESSION):
+                r.update(batch)
+            jax.block_until_ready(r.ready())
+
+        return run
 
     check = first_updates(runner)
     ref_check = None if reference is None else first_updates(reference)
-    sessions, ref_sessions = [], []
-    for i in range(SESSIONS):
-        if reference is not None and i % 2:
-            ref_sessions.append(session(reference))
-        sessions.append(session(runner))
-        if reference is not None and not i % 2:
-            ref_sessions.append(session(reference))
+    calls = {"run": session(runner)}
+    if reference is not None:
+        calls["reference"] = session(reference)
+    timed = interleaved(calls, SESSIONS).wall
+    sessions, ref_sessions = timed["run"], timed.get("reference", [])
     stats = device.memory_stats() or {}
     figures = {
         "config": cfg,
@@ -375,11 +376,7 @@ def run_steps(cfg: dict, spec: dict, paired: bool):
         "session_s": sessions,
         "steps_per_s": STEPS_PER_SESSION / statistics.median(sessions),
         "reference_session_s": ref_sessions or None,
-        "time_vs_paired_baseline": (
-            statistics.median(t / r for t, r in zip(sessions, ref_sessions, strict=True))
-            if ref_sessions
-            else None
-        ),
+        "time_vs_paired_baseline": median_ratio(sessions, ref_sessions) if ref_sessions else None,
     }
     return figures, runner
 

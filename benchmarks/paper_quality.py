@@ -29,18 +29,23 @@ best on the held-out ones kept (`paper_quality_lr.json`); no test image takes pa
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS,
+    pinned_worker,
+    pyplot,
+    run_pinned,
+    save_figure,
+    workers_per_core,
+    write_json,
+)
 
 _START = time.perf_counter()
 
@@ -350,74 +355,25 @@ def train_seeds(
     return runs
 
 
-def _cores() -> list[int]:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
-
-
-def _launcher() -> list[str]:
-    """The command line that started this script, up to the script itself: a worker starts
-    the way this process did (the same interpreter and options, or the `-c` launcher that
-    the test suite runs the script under, with its type checking)."""
-    me = Path(__file__).resolve()
-    for i, arg in enumerate(sys.orig_argv[1:], start=1):
-        try:
-            if Path(arg).resolve() == me:
-                return [sys.executable, *sys.orig_argv[1:i]]
-        except (OSError, ValueError):  # not a path (the `-c` program's text, say)
-            continue
-    return [sys.executable]
-
-
 def default_workers(jobs: int) -> int:
     """One worker per job, at most one per core."""
-    return max(1, min(jobs, len(_cores())))
+    return workers_per_core(jobs)
 
 
 def run_workers(specs: list[dict], workers: int) -> list[dict]:
     """Each of `specs` (`train_seeds`'s arguments `cfg`, `seeds`, `precision`, `names`, and
     a `label` for errors) trained by its own worker process, at most `workers` at a time,
-    each pinned to its own core; their runs in the order of `specs`. One worker: all of
-    them in this process.
+    each pinned to its own core (`_common.run_pinned`); their runs in the order of `specs`.
+    One worker: all of them in this process.
 
     Why: XLA:CPU runs one small WRN update only 1.2x faster on two cores than on one
     (0.29 s against 0.34 s per update at batch 100, 2026-12-02), so two one-core processes
-    side by side train about 1.6x as many updates in the same time. Each worker writes its
-    runs to a JSON file (atomically) that this process reads back. The first failure stops
-    the others at once and raises, naming the failed specs' labels and exit codes.
+    side by side train about 1.6x as many updates in the same time.
     """
     workers = max(1, min(workers, len(specs)))
     if workers == 1:
         return [train_seeds(s["cfg"], s["seeds"], s["precision"], s.get("names")) for s in specs]
-    cores, launch = _cores(), [*_launcher(), str(Path(__file__).resolve()), "--worker"]
-    free = [cores[w % len(cores)] for w in range(workers)]
-    with tempfile.TemporaryDirectory(prefix="paper_quality_") as tmp:
-        outs = [Path(tmp) / f"worker{i}.json" for i in range(len(specs))]
-        pending, running, failed = list(range(len(specs))), {}, []
-        while pending or running:
-            while pending and free:
-                i, core = pending.pop(0), free.pop(0)
-                spec = {**specs[i], "core": core, "out": str(outs[i])}
-                running[i] = (core, subprocess.Popen([*launch, json.dumps(spec)]))
-            for i, (core, proc) in list(running.items()):
-                rc = proc.poll()
-                if rc is not None:
-                    del running[i]
-                    free.append(core)
-                    if rc != 0:
-                        failed.append(f"{specs[i]['label']} exit code {rc}")
-            if failed:
-                for _, proc in running.values():
-                    proc.kill()
-                    proc.wait()
-                raise RuntimeError(
-                    "paper_quality workers failed (their output is above): " + ", ".join(failed)
-                )
-            if running:
-                time.sleep(1.0)
-        return [json.loads(out.read_text()) for out in outs]
+    return run_pinned(__file__, specs, workers)
 
 
 def train_in_workers(cfg: dict, workers: int, precision: str | None = None) -> dict:
@@ -439,14 +395,9 @@ def train_in_workers(cfg: dict, workers: int, precision: str | None = None) -> d
 
 def _worker(spec_json: str) -> int:
     """A worker of `run_workers`: pinned to its core before JAX starts."""
-    from eqx_lowmem._io import write_json as atomic_write_json
-
-    spec = json.loads(spec_json)
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {spec["core"]})
-    runs = train_seeds(spec["cfg"], spec["seeds"], spec["precision"], spec.get("names"))
-    atomic_write_json(spec["out"], runs)
-    return 0
+    return pinned_worker(
+        spec_json, lambda s: train_seeds(s["cfg"], s["seeds"], s["precision"], s.get("names"))
+    )
 
 
 def held_out(cfg: dict) -> dict:
@@ -553,12 +504,7 @@ def run_quality(cfg: dict, precision: str | None = None, workers: int | None = N
 
 
 def plot_quality(result: dict, path: Path) -> None:
-    import matplotlib as mpl
-
-    mpl.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for c, (name, seeds) in enumerate(result["runs"].items()):
         for s, (seed, r) in enumerate(seeds.items()):
             epochs = range(1, len(r["test_accuracy"]) + 1)
@@ -572,9 +518,7 @@ def plot_quality(result: dict, path: Path) -> None:
         f"WRN-{cfg['depth']}-{cfg['width']} on Fashion-MNIST: FP32 dense vs the combination"
     )
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # The configuration's fields that the command line may override (and `--seeds`).

@@ -23,7 +23,6 @@ as not measured there. (float16 temporaries do halve on XLA:CPU.)
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ import optax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo, if not installed
-from _common import time_median, write_json  # noqa: E402
+from _common import MARKER, spawn, time_median, write_json  # noqa: E402
 
 import eqx_lowmem as el  # noqa: E402
 
@@ -187,30 +186,22 @@ def check(rows: dict) -> dict:
     return out
 
 
-def gpu_worker(preset: str, repeats: int) -> None:
+def gpu_worker(spec: dict) -> None:
     """In a fresh process: the guide's configuration on the GPU, peak and steps per second."""
-    row = speed(preset, GUIDE, repeats, steps=5)
+    row = speed(spec["preset"], GUIDE, spec["repeats"], steps=5)
     stats = jax.devices()[0].memory_stats() or {}
     row["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
-    print("RESULT " + json.dumps(row))
+    print(MARKER + json.dumps(row))
 
 
 def gpu_rows(repeats: int) -> dict:
     rows = {}
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     for preset in PRESETS:
-        out = subprocess.run(
-            [sys.executable, __file__, "--worker", preset, "--repeats", str(repeats)],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-        if out.returncode != 0 or not lines:
-            rows[preset] = {"error": (out.stderr or out.stdout)[-2000:]}
-        else:
-            rows[preset] = json.loads(lines[-1][len("RESULT ") :])
+        # The workers inherit XLA_PYTHON_CLIENT_PREALLOCATE=false (set before JAX started).
+        try:
+            rows[preset] = spawn(__file__, {"preset": preset, "repeats": repeats})
+        except RuntimeError as e:
+            rows[preset] = {"error": str(e)[-2000:]}
         print(f"  gpu {preset}: {rows[preset].get('steps_per_s', 'error')}", flush=True)
     return rows
 
@@ -218,10 +209,10 @@ def gpu_rows(repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
-    parser.add_argument("--worker", choices=PRESETS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        gpu_worker(args.worker, args.repeats)
+        gpu_worker(json.loads(args.worker))
         return
 
     on_gpu = jax.default_backend() == "gpu"

@@ -46,7 +46,9 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo, if not
 from _common import (  # noqa: E402
     MARKER,
     compiled_memory,
-    spawn as _spawn,  # noqa: E402
+    interleaved,
+    median_ratio,
+    spawn as _spawn,
     write_json,
 )
 
@@ -168,22 +170,19 @@ def run_steps(
             ref_state, _ = ref_step(ref_state, batch)
     jax.block_until_ready((state, ref_state))
 
-    def timed(step, state):
-        t = time.perf_counter()
-        state, _ = step(state, batch)
-        jax.block_until_ready(state)
-        return state, time.perf_counter() - t
+    states = {"run": state, "reference": ref_state}
+    steps = {"run": step, "reference": ref_step}
 
-    times, ref_times = [], []
-    for i in range(repeats):
-        if ref_step is not None and i % 2:
-            ref_state, t = timed(ref_step, ref_state)
-            ref_times.append(t)
-        state, t = timed(step, state)
-        times.append(t)
-        if ref_step is not None and not i % 2:
-            ref_state, t = timed(ref_step, ref_state)
-            ref_times.append(t)
+    def timed(name: str):
+        def run():
+            states[name], _ = steps[name](states[name], batch)
+            jax.block_until_ready(states[name])
+
+        return run
+
+    calls = {name: timed(name) for name in states if steps[name] is not None}
+    rounds = interleaved(calls, repeats).wall
+    times, ref_times = rounds["run"], rounds.get("reference", [])
     stats = device.memory_stats() or {}
     return {
         "config": cfg,
@@ -196,11 +195,7 @@ def run_steps(
         "step_s": statistics.median(times),
         "step_s_all": times,
         "reference_step_s_all": ref_times or None,
-        "time_vs_none_scan": (
-            statistics.median(t / r for t, r in zip(times, ref_times, strict=True))
-            if ref_times
-            else None
-        ),
+        "time_vs_none_scan": median_ratio(times, ref_times) if ref_times else None,
     }
 
 

@@ -16,10 +16,10 @@ one process builds both steps over the first n devices and reports per device:
 """
 
 import argparse
+import functools
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get(
@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _common import compiled_memory, write_json  # noqa: E402
+from _common import compiled_memory, interleaved, median_ratio, write_json  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import eqx_lowmem as el  # noqa: E402
@@ -83,19 +83,14 @@ def main() -> None:
         assert diff < 1e-4, f"n={n}: FSDP and replicated parameters differ by {diff}"
 
         def run(k, steps=steps, states=states):
-            t0 = time.perf_counter()
             states[k], m = steps[k](states[k], (x,))
             jax.block_until_ready(m["loss"])
-            return time.perf_counter() - t0
 
-        for k in steps:  # burn-in
-            run(k)
-        times = {k: [] for k in steps}
-        for r in range(rounds):
-            order = list(steps) if r % 2 == 0 else list(reversed(list(steps)))
-            for k in order:
-                times[k].append(run(k))
-        ratio = statistics.median(f / d for f, d in zip(times["fsdp"], times["data"], strict=True))
+        calls = {k: functools.partial(run, k) for k in steps}
+        for call in calls.values():  # burn-in
+            call()
+        times = interleaved(calls, rounds).wall
+        ratio = median_ratio(times["fsdp"], times["data"])
         row = {
             "devices": n,
             "max_parameter_difference": diff,

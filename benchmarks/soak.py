@@ -28,10 +28,9 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
-import _common  # noqa: E402
+from _common import write_json  # noqa: E402
 
 import eqx_lowmem as el  # noqa: E402
-from eqx_lowmem._io import write_json  # noqa: E402
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 PREFETCH_THREAD = "eqx_lowmem.data.prefetch"
@@ -146,8 +145,7 @@ def main() -> int:
         "checkpoint_step": checkpoint_step,
         "checks": checks,
     }
-    record = {"environment": _common.environment(), **payload}
-    out = write_json(_common.RESULTS / "soak.json", record)
+    out = write_json("soak", payload)
     for name, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {name}")
     print(

@@ -36,7 +36,14 @@ import optax
 from jax.experimental import sparse as jsparse
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import RESULTS, compiled_memory, time_median, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS,
+    compiled_memory,
+    interleaved,
+    pyplot,
+    save_figure,
+    write_json,
+)
 
 import eqx_lowmem as el  # noqa: E402
 from eqx_lowmem import sparse as sp  # noqa: E402
@@ -144,23 +151,14 @@ def storage(repeats: int) -> list[dict]:
 
         run()  # burn in (compiles the call path)
         compiled.append((name, run, memory, stored, loss))
-    # Time side by side: round robin over the variants (BCOO, 100x slower, after), so that
-    # the load of a shared machine weighs on every variant alike; medians per variant. The
+    # Time side by side: rounds over the variants (BCOO, 100x slower, after), so that the
+    # load of a shared machine weighs on every variant alike; medians per variant. The
     # process's CPU time too (all its threads): less moved by other processes' load.
-    times: dict[str, list[float]] = {name: [] for name, *_ in compiled}
-    cpu: dict[str, list[float]] = {name: [] for name, *_ in compiled}
-    fast = [c for c in compiled if c[0] != "BCOO"]
-    for _ in range(repeats):
-        for name, run, *_ in fast:
-            t0, c0 = time.perf_counter(), time.process_time()
-            run()
-            times[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-    for name, run, *_ in compiled:
-        if name == "BCOO":
-            c0 = time.process_time()
-            times[name] = [time_median(run, repeats=2, burn_in=0)]
-            cpu[name] = [(time.process_time() - c0) / 2]
+    fast = {name: run for name, run, *_ in compiled if name != "BCOO"}
+    times, cpu = interleaved(fast, repeats)
+    slow = interleaved({name: run for name, run, *_ in compiled if name == "BCOO"}, 2)
+    times.update(slow.wall)
+    cpu.update(slow.cpu)
     rows = []
     reference = None
     for name, _, memory, stored, loss in compiled:
@@ -254,12 +252,7 @@ def quality(epochs: int, batch: int = 128, seed: int = 0) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib as mpl
-
-    mpl.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for name, label in (("dense", "dense"), ("dsr_30", "DSR, 30% density")):
         curve = result[name]["test_accuracy"]
         ax.plot(range(1, len(curve) + 1), curve, marker="o", label=label)
@@ -268,8 +261,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title("MLP 784-300-100-10, Adam 1e-3, batch 128")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo, if not installed
-from _common import time_median, write_json  # noqa: E402
+from _common import interleaved, median_ratio, write_json  # noqa: E402
 
 from eqx_lowmem.data import DataStream  # noqa: E402
 
@@ -125,9 +125,10 @@ MIN_TIMING_S = 0.03
 
 
 def check_and_time(methods: dict, repeats: int, epochs: int) -> dict:
-    """Check that each method serves every sample once, then time it; the methods are
-    interleaved round by round, so drift in the machine hits all alike. A timing is the
-    median of `epochs` epochs, or of more when they are short (`MIN_TIMING_S`)."""
+    """Check that each method serves every sample once (which burns it in), then time it;
+    the methods are interleaved round by round (`_common.interleaved`), so drift in the
+    machine hits all alike. A timing is `epochs` epochs back to back, or more when they are
+    short (`MIN_TIMING_S`); a rate is over the median timing."""
     rates = {}
     per_timing = {}
     for name, epoch in methods.items():
@@ -138,13 +139,18 @@ def check_and_time(methods: dict, repeats: int, epochs: int) -> dict:
         if not exact:
             print(f"  {name}: {np.unique(ids).size} distinct of {N} samples, {ids.size} served")
         rates[name] = {"exactly_once": exact, "epochs_per_timing": per_timing[name]}
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(repeats):
-        for name, epoch in methods.items():
-            run = lambda e=epoch: consume(e())  # noqa: E731
-            times[name].append(time_median(run, repeats=per_timing[name], burn_in=1))
+
+    def timing(epoch, count: int):
+        def run():
+            for _ in range(count):
+                consume(epoch())
+
+        return run
+
+    calls = {name: timing(epoch, per_timing[name]) for name, epoch in methods.items()}
+    times = interleaved(calls, repeats).wall
     for name in methods:
-        rates[name]["samples_per_s"] = N / float(np.median(times[name]))
+        rates[name]["samples_per_s"] = N * per_timing[name] / float(np.median(times[name]))
     return rates
 
 
@@ -260,14 +266,14 @@ def prefetch_overlap(path: Path, repeats: int) -> dict:
         jax.block_until_ready(out)
 
     steps = len(resident)
-    device_s = time_median(from_device, repeats=repeats)
-    stream_s = time_median(from_stream, repeats=repeats)
+    from_stream()  # burn in: the reading thread's first start
+    times = interleaved({"device": from_device, "stream": from_stream}, repeats).wall
     return {
         "backend": jax.default_backend(),
         "step": f"{layers} layers of tanh(h @ w), w ({width}, {width}), batch {BATCH}",
-        "steps_per_s_on_device": steps / device_s,
-        "steps_per_s_prefetch": steps / stream_s,
-        "ratio": device_s / stream_s,
+        "steps_per_s_on_device": steps / float(np.median(times["device"])),
+        "steps_per_s_prefetch": steps / float(np.median(times["stream"])),
+        "ratio": median_ratio(times["device"], times["stream"]),
     }
 
 

@@ -87,8 +87,16 @@ def _value_and_grads(model, x, key):
     return value, jax.tree.leaves(grads)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("remat", [False, True, "dots", "minimal"])
+@pytest.mark.parametrize(
+    "remat, causal",
+    [(True, True), ("dots", False)]
+    + [  # two compiles each: the rest in CI
+        pytest.param(r, c, marks=pytest.mark.slow)
+        for r in (False, True, "dots", "minimal")
+        for c in (False, True)
+        if (r, c) not in ((True, True), ("dots", False))
+    ],
+)
 def test_block_xla_matches_chunked_with_remat_and_dropout(getkey, causal, remat):
     init, dkey = getkey(), getkey()
     x = jr.normal(getkey(), (2, 7, 16))
@@ -102,7 +110,7 @@ def test_block_xla_matches_chunked_with_remat_and_dropout(getkey, causal, remat)
     assert tree_allclose(grads_f, grads_c, rtol=ATOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_encoder_and_lm_pass_the_choice_through(getkey, causal):
     init = getkey()
     x = jr.normal(getkey(), (2, 6, 16))

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
@@ -21,6 +23,7 @@ def _run(*args, env, timeout=300, cwd=None):
     )
 
 
+@pytest.mark.slow  # the whole example, twice
 def test_char_lm_trains_and_a_second_run_resumes(tmp_path, env):
     tiny = [
         "--run-dir", tmp_path, "--max-chars", 12000, "--seq", 32, "--layers", 1,

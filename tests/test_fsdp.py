@@ -1,6 +1,7 @@
 """Parameters and optimizer state sharded over devices (FSDP / ZeRO-3): memory, collectives,
-equality with one device, checkpoints. The checks run in one real subprocess with 8 host
-devices (each on the first n of them), section by section; each test asserts its section."""
+equality with one device, checkpoints. The checks run in real subprocesses with 8 host
+devices (each on the first n of them), section by section, one process for the default
+suite's sections and one for the slow tests'; each test asserts its section."""
 
 import json
 import os
@@ -10,6 +11,8 @@ import sys
 import textwrap
 
 import pytest
+
+from .helpers import USERS_COMPILER
 
 PRELUDE = textwrap.dedent(
     """
@@ -56,7 +59,10 @@ RUNNER = textwrap.dedent(
 
 DEVICES = 8  # the most any section uses
 
-MEMORY = """
+# Its figures as users get them: the suite's flag that changes buffer assignment set back.
+MEMORY = (
+    f"USERS_COMPILER = {USERS_COMPILER!r}\n"
+    + """
 enc = el.nn.transformer_encoder(4, 64, 4, 128, key=jr.PRNGKey(0), remat=True)
 def loss(model, x):
     return jnp.mean(jax.vmap(model)(x) ** 2, axis=(1, 2))
@@ -66,7 +72,7 @@ for n in (2, 4, 8):
     for shard in ("data", "fsdp"):
         step = el.train.make_step(loss, optax.adam(1e-3), mesh=mesh(n), shard=shard)
         state = eqx.filter_eval_shape(step.init, enc, key=jr.PRNGKey(1))
-        compiled = step.lower(state, batch).compile()
+        compiled = step.lower(state, batch).compile(compiler_options=USERS_COMPILER)
         m = compiled.memory_analysis()
         hlo = compiled.as_text()
         reduces = re.findall(r"= (.*?) all-reduce\\(", hlo)
@@ -78,9 +84,11 @@ for n in (2, 4, 8):
             "all_gathers": hlo.count("all-gather("),
         }
 """
+)
 
 
-def _equal(precision: str) -> str:
+def _equal(precision: str, shards: tuple[str, ...] = ("fsdp",)) -> str:
+    """Five updates on one device, and on 4 devices with each of `shards`: `result[shard]`."""
     return f"""
 opt = optax.sgd(0.1, momentum=0.9)
 def train(step):
@@ -90,15 +98,18 @@ def train(step):
     return params(state), float(metrics["loss"])
 one, loss_one = train(el.train.make_step(el.train.next_token_loss, opt, accumulate=4,
                                          precision="{precision}"))
-four, loss_four = train(el.train.make_step(el.train.next_token_loss, opt, accumulate=4,
-                                           precision="{precision}", mesh=mesh(4),
-                                           shard="fsdp"))
-diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one, four))
 scale = max(float(np.max(np.abs(a))) for a in one)
 moved = max(float(np.max(np.abs(a - b))) for a, b in
             zip(one, params(el.train.make_step(el.train.next_token_loss, opt)
                             .init(lm(), key=jr.PRNGKey(2)))))
-result = {{"diff": diff, "scale": scale, "moved": moved, "loss": [loss_one, loss_four]}}
+result = {{}}
+for shard in {shards!r}:
+    four, loss_four = train(el.train.make_step(el.train.next_token_loss, opt, accumulate=4,
+                                               precision="{precision}", mesh=mesh(4),
+                                               shard=shard))
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one, four))
+    result[shard] = {{"diff": diff, "scale": scale, "moved": moved,
+                      "loss": [loss_one, loss_four]}}
 """
 
 
@@ -188,17 +199,8 @@ result = {"diff": diff, "loss": [loss_one, loss_two]}
 """
 
 
-@pytest.fixture(scope="module")
-def sections(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("fsdp"))
-    bodies = {
-        "memory": MEMORY,
-        "equal/float32": _equal("float32"),
-        "equal/mixed_bf16": _equal("mixed_bf16"),
-        "checkpoint": _checkpoint(directory),
-        "bad_input": BAD_INPUT,
-        "trainer": TRAINER,
-    }
+def _run(bodies: dict) -> dict:
+    """Each section's result, from one process with `DEVICES` host devices."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
@@ -217,12 +219,38 @@ def sections(tmp_path_factory):
     return results
 
 
+@pytest.fixture(scope="module")
+def quick():
+    """The default suite's sections: one process, two small compiles."""
+    return _run(
+        {
+            "equal/float32": _equal("float32", shards=("fsdp", "data")),
+            "bad_input": BAD_INPUT,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def sections(tmp_path_factory):
+    """The slow tests' sections (`-m slow`)."""
+    directory = str(tmp_path_factory.mktemp("fsdp"))
+    return _run(
+        {
+            "memory": MEMORY,
+            "equal/mixed_bf16": _equal("mixed_bf16"),
+            "checkpoint": _checkpoint(directory),
+            "trainer": TRAINER,
+        }
+    )
+
+
 def _result(sections: dict, name: str):
     if "error" in sections[name]:
         raise AssertionError(sections[name]["error"][-4000:])
     return sections[name]["result"]
 
 
+@pytest.mark.slow  # six compiles of an encoder over 2, 4 and 8 devices
 def test_fsdp_divides_argument_bytes_and_reduce_scatters_gradients(sections):
     result = _result(sections, "memory")
     for n in (2, 4, 8):
@@ -237,13 +265,22 @@ def test_fsdp_divides_argument_bytes_and_reduce_scatters_gradients(sections):
         assert [s for s in data["all_reduce_shapes"] if whole.search(s)]
 
 
-@pytest.mark.parametrize("precision, tol", [("float32", 1e-5), ("mixed_bf16", 1e-3)])
-def test_fsdp_on_four_devices_equals_one_device(sections, precision, tol):
-    result = _result(sections, f"equal/{precision}")
+@pytest.mark.parametrize("shard", ["fsdp", "data"])
+def test_fsdp_and_data_parallel_on_four_devices_equal_one_device(quick, shard):
+    # Sharded parameters (FSDP), or replicated ones with the batch split (`shard="data"`).
+    result = _result(quick, "equal/float32")[shard]
+    assert result["moved"] > 1e-3  # the five updates really trained
+    assert result["diff"] <= 1e-5 * max(1.0, result["scale"]), result
+
+
+@pytest.mark.slow  # a process of its own, with the sections below
+def test_fsdp_in_mixed_bf16_on_four_devices_equals_one_device(sections):
+    result, tol = _result(sections, "equal/mixed_bf16")["fsdp"], 1e-3
     assert result["moved"] > 1e-3  # the five updates really trained
     assert result["diff"] <= tol * max(1.0, result["scale"]), result
 
 
+@pytest.mark.slow  # a process of its own, with the sections beside it
 def test_fsdp_checkpoint_resumes_bit_identically_and_reshards(sections):
     result = _result(sections, "checkpoint")
     assert result["same_place"]
@@ -251,13 +288,14 @@ def test_fsdp_checkpoint_resumes_bit_identically_and_reshards(sections):
     assert result["reshard_diff"] <= 1e-4
 
 
-def test_fsdp_bad_input(sections):
-    result = _result(sections, "bad_input")
+def test_fsdp_bad_input(quick):
+    result = _result(quick, "bad_input")
     assert "data_axis='batch'" in result["axis"] and "('data',)" in result["axis"]
     assert "shard='zero'" in result["shard"] and "fsdp" in result["shard"]
     assert "multiple of 2" in result["stateful_odd_batch"]
 
 
+@pytest.mark.slow  # a process of its own, with the sections beside it
 def test_trainer_with_fsdp_equals_the_trainer_on_one_device(sections):
     result = _result(sections, "trainer")
     assert result["diff"] <= 1e-5, result

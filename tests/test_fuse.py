@@ -1,6 +1,7 @@
 """Fused accumulation (`make_step(fuse_accumulation=True)`, `eqx_lowmem.nn._fuse`): a
 scanned, recomputed stack adds each layer's gradient into the accumulator inside its own
-backward loop. The same numbers as the unfused step, one gradient-sized buffer less."""
+backward loop. The same numbers as the unfused step (bit for bit where the stack is used once
+per micro-batch), one gradient-sized buffer less."""
 
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ import pytest
 
 import eqx_lowmem as el
 from eqx_lowmem.memory._activations import fused_slots
+
+from .helpers import compile_as_users
 
 
 class Residual(eqx.Module):
@@ -32,9 +35,15 @@ def _floats(tree):
     return [np.asarray(a, np.float32) for a in leaves]
 
 
-def _assert_same(a, b, tol=1e-6):
+def _assert_same(a, b, tol=None):
+    """Bit for bit (`tol` None): the fused backward loop adds the same gradients in the same
+    order. With `tol`, equal to it (where a stack's weights also get gradient from outside
+    its loop, the two sums are formed in another order)."""
     for x, y in zip(_floats(a), _floats(b), strict=True):
-        np.testing.assert_allclose(x, y, rtol=tol, atol=tol)
+        if tol is None:
+            np.testing.assert_array_equal(x, y)
+        else:
+            np.testing.assert_allclose(x, y, rtol=tol, atol=tol)
 
 
 def _train(model, loss, batch, *, fuse, steps=2, **options):
@@ -47,7 +56,8 @@ def _train(model, loss, batch, *, fuse, steps=2, **options):
 
 @pytest.mark.parametrize(
     "precision, dtype",
-    [("float32", jnp.float32), ("half_fp16", jnp.float16), ("mixed_bf16", jnp.bfloat16)],
+    [("float32", jnp.float32), ("mixed_bf16", jnp.bfloat16)]
+    + [pytest.param("half_fp16", jnp.float16, marks=pytest.mark.slow)],
 )
 def test_a_causal_lm_trains_the_same_fused_and_unfused(precision, dtype):
     model = el.nn.CausalLM(50, 12, 3, 16, 2, 32, key=jr.PRNGKey(0), remat=True,
@@ -74,7 +84,8 @@ def test_fusion_drops_the_stacks_micro_batch_gradient_from_the_compiled_peak():
         step = el.train.make_step(el.train.next_token_loss, optax.adam(1e-3), accumulate=8,
                                   fuse_accumulation=fuse)  # fmt: skip
         state = step.init(model, key=jr.PRNGKey(0))
-        temps[fuse] = step.lower(state, (tokens,)).compile().memory_analysis().temp_size_in_bytes
+        compiled = compile_as_users(step.lower(state, (tokens,)))
+        temps[fuse] = compiled.memory_analysis().temp_size_in_bytes
     # Measured: 0.75x the stack's float32 gradient (5.43 -> 3.83 MB of temporaries); the
     # rest of the freed room goes to XLA's other temporaries at the new peak.
     assert temps[False] - temps[True] >= 0.7 * stack_bytes, (temps, stack_bytes)
@@ -130,7 +141,7 @@ def test_a_stack_called_twice_and_weights_used_outside_it_give_the_unfused_gradi
     fused, step = _train(blocks, _tied_loss, (x, x), fuse=True, accumulate=4)
     plain, _ = _train(blocks, _tied_loss, (x, x), fuse=False, accumulate=4)
     assert len(fused_slots(step, blocks, (x, x))) == 2  # weight and bias, once
-    _assert_same(fused.model, plain.model)
+    _assert_same(fused.model, plain.model, tol=1e-6)  # measured: 1.5e-8 apart
 
 
 def _one_example_loss(model, x, y):
@@ -145,7 +156,8 @@ def test_a_per_example_call_without_vmap_is_fused_and_trains_the_same():
     fused, step = _train(blocks, _one_example_loss, (x, x), fuse=True, accumulate=2)
     plain, _ = _train(blocks, _one_example_loss, (x, x), fuse=False, accumulate=2)
     assert len(fused_slots(step, blocks, (x, x))) == 2
-    _assert_same(fused.model, plain.model)
+    # The examples' gradients are summed per example here: measured 1.5e-8 apart.
+    _assert_same(fused.model, plain.model, tol=1e-6)
 
 
 def test_a_remainder_micro_batch_is_fused_too():
@@ -158,6 +170,7 @@ def test_a_remainder_micro_batch_is_fused_too():
 
 
 # WRN-16-1: each group's stack is one block; WRN-22-1's two blocks are one segment.
+@pytest.mark.slow  # two WRNs, fused and not
 @pytest.mark.parametrize("depth, remat", [(16, "checkpoint-residual-1"),
                                           (22, "checkpoint-residual-2")])  # fmt: skip
 def test_a_sparse_wide_resnet_with_batchnorm_trains_the_same(depth, remat):

@@ -2,7 +2,6 @@
 process and writes the JSON a GPU run would; its goal and consistency logic, on made-up
 figures."""
 
-import importlib.util
 import inspect
 import json
 import subprocess
@@ -13,18 +12,12 @@ import pytest
 
 import eqx_lowmem as el
 
+from .helpers import load_benchmark
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("eqx_lowmem_benchmarks_gpu", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu = _load_script()
+gpu = load_benchmark("gpu")
 
 
 def _expected_unavailable(name: str) -> bool:
@@ -56,6 +49,7 @@ def smoke(tmp_path_factory):
     return json.loads(out.read_text()), out, proc.stdout
 
 
+@pytest.mark.slow  # the whole script's smoke run
 def test_smoke_runs_every_configuration(smoke):
     record, _, _ = smoke
     configs = record["configs"]
@@ -76,6 +70,7 @@ def test_smoke_runs_every_configuration(smoke):
     assert configs["precision/mixed_bf16"]["compute_dtype"] == "bfloat16"
 
 
+@pytest.mark.slow  # the whole script's smoke run
 def test_smoke_records_null_peaks_on_cpu_and_the_environment(smoke):
     record, _, _ = smoke
     assert record["mode"] == "smoke"
@@ -94,6 +89,7 @@ def test_smoke_records_null_peaks_on_cpu_and_the_environment(smoke):
     assert compiled["peak"] > 0 and compiled["host_temp"] == 0  # CPU drops host placement
 
 
+@pytest.mark.slow  # the whole script's smoke run
 def test_smoke_evaluates_goals_and_checks(smoke):
     record, _, stdout = smoke
     goals = record["goals"]
@@ -115,6 +111,7 @@ def test_smoke_evaluates_goals_and_checks(smoke):
     assert [row["paper_reduction"] for row in paper] == [1.0, 9.5, 33.2, 60.7]
 
 
+@pytest.mark.slow  # the whole script's smoke run
 def test_smoke_runs_configurations_in_worker_processes(smoke):
     record, out, _ = smoke
     pids = {r["pid"] for r in record["configs"].values()}

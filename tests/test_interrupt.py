@@ -171,7 +171,14 @@ PHASES = [
 ]
 
 
-@pytest.mark.parametrize("phase, n", PHASES, ids=[p for p, _ in PHASES])
+@pytest.mark.parametrize(
+    "phase, n",
+    [  # a process each: two in the default suite, every phase in CI
+        p if p[0] in ("mid_write", "after_link") else pytest.param(*p, marks=pytest.mark.slow)
+        for p in PHASES
+    ],
+    ids=[p for p, _ in PHASES],
+)
 def test_sigkill_at_every_phase_resumes_bit_identically(tmp_path, uninterrupted, env, phase, n):
     with _child(tmp_path, phase, n, env) as proc:
         out, err = proc.communicate(timeout=240)

@@ -12,6 +12,8 @@ import pytest
 
 import eqx_lowmem as el
 
+from .helpers import compile_as_users, users_env
+
 LAYERS, D, HEADS, FF, SEQ, BATCH = 2, 32, 4, 64, 16, 8
 
 
@@ -28,8 +30,13 @@ def _nbytes(tree, keep=eqx.is_array):
     return sum(x.nbytes for x in jax.tree.leaves(tree) if keep(x))
 
 
+# The report's compiled figures (the real step's, remat's and micro-batches' peaks against
+# the plain one's) as users get them.
+pytestmark = pytest.mark.usefixtures("users_compiler")
+
+
 @pytest.fixture(scope="module")
-def adam_report():
+def adam_report(users_compiler):
     """Adam, accumulate=2, float32: the model, its step and the step's report."""
     model = _encoder()
     step = el.train.make_step(el.train.mse, optax.adam(1e-3), accumulate=2)
@@ -44,7 +51,7 @@ def test_parts_add_up_to_the_compiled_peak_of_the_real_step(adam_report):
     # The step that runs, compiled with real arrays through Step.lower.
     state = step.init(model, key=jr.PRNGKey(0))
     x = jnp.zeros((BATCH, SEQ, D))
-    analysis = step.lower(state, (x, x)).compile().memory_analysis()
+    analysis = compile_as_users(step.lower(state, (x, x))).memory_analysis()
     expected = (
         analysis.argument_size_in_bytes
         + analysis.output_size_in_bytes
@@ -81,7 +88,7 @@ def test_abstract_and_concrete_models_give_the_same_report(adam_report):
 
 
 @pytest.fixture(scope="module")
-def sgd_reports():
+def sgd_reports(users_compiler):
     """SGD reports of the same encoder: no remat, remat="minimal", and 4 micro-batches."""
     opt = optax.sgd(0.1)
     return {
@@ -432,11 +439,10 @@ print(json.dumps(out))
 
 
 def test_per_device_report_and_plan_over_a_mesh_of_four():
-    import os
     import subprocess
     import sys
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**users_env(), "JAX_PLATFORMS": "cpu"}  # plan's figures as users get them
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     done = subprocess.run(
         [sys.executable, "-c", _FSDP_SCRIPT], env=env, capture_output=True, text=True, timeout=600

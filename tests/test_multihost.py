@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 SCRIPT = textwrap.dedent(
     """
@@ -62,6 +63,7 @@ def _leaves(path):
         return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
 
 
+@pytest.mark.slow  # two processes over gloo, and a third on one device
 def test_two_processes_with_fsdp_equal_one_process(tmp_path):
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.random.default_rng(0).integers(0, 32, (64, 17), dtype=np.int32))

@@ -4,6 +4,8 @@ different workers). Its processes share a compilation cache: the rerun loads its
 
 from pathlib import Path
 
+import pytest
+
 from .helpers import optimised_env
 from .test_examples import _run
 
@@ -18,6 +20,7 @@ def _readme_block(marker):
     return after[start : after.index("```", start)]
 
 
+@pytest.mark.slow  # the whole example, twice
 def test_the_readmes_short_example_runs_at_its_size_and_resumes(tmp_path, env):
     # Run as a user would: the README's code, as written, in a fresh directory. Its 32
     # updates run longer than they compile: optimised machine code.

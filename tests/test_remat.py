@@ -8,7 +8,7 @@ import pytest
 
 import eqx_lowmem as el
 
-from .helpers import tree_allclose
+from .helpers import compile_as_users, tree_allclose
 
 # False with chunk_size=3 runs the chunked attention and feed-forward without remat.
 REMATS = [False, True, "dots", "minimal", el.nn.Save("qkv", "attn_context", "ffn_in")]
@@ -47,7 +47,11 @@ def test_remat_preserves_outputs_and_gradients(getkey, remat, dropout):
 @pytest.mark.parametrize(
     "remat, segment",
     # 3 layers: segments of 2 leave a shorter last segment; 3 is one segment of all layers.
-    [(False, None), (True, None), ("dots", None), (False, 2), (True, 2), ("minimal", 3)],
+    [(True, None), (False, 2)]
+    + [
+        pytest.param(*p, marks=pytest.mark.slow)  # three compiles each: the rest in CI
+        for p in [(False, None), ("dots", None), (True, 2), ("minimal", 3)]
+    ],
 )
 def test_scan_loop_and_segments_agree(getkey, remat, segment):
     key, x, dkey = getkey(), jr.normal(getkey(), (2, 5, 16)), getkey()
@@ -83,10 +87,11 @@ def test_dropout_masks_differ_between_layers(getkey):
         eqx.combine(stacked, eqx.filter(enc.blocks, eqx.is_array, inverse=True)),
     )
     x, key = jr.normal(getkey(), (4, 16)), getkey()
-    once = block(block(x, key=jr.fold_in(key, 0)), key=jr.fold_in(key, 1))
-    assert tree_allclose(enc(x, key=key), once, atol=1e-6)
-    same_key = block(block(x, key=jr.fold_in(key, 0)), key=jr.fold_in(key, 0))
-    assert not tree_allclose(enc(x, key=key), same_key)
+    call = eqx.filter_jit(lambda m, x, k: m(x, key=k))  # compiled: op by op is slower
+    once = call(block, call(block, x, jr.fold_in(key, 0)), jr.fold_in(key, 1))
+    assert tree_allclose(call(enc, x, key), once, atol=1e-6)
+    same_key = call(block, call(block, x, jr.fold_in(key, 0)), jr.fold_in(key, 0))
+    assert not tree_allclose(call(enc, x, key), same_key)
 
 
 def _kept(remat, getkey):
@@ -136,10 +141,11 @@ def _sgd_step_memory(model, batch):
         grads = jax.grad(loss)(params)
         return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
 
-    compiled = jax.jit(step, donate_argnums=0).lower(params, x, x).compile()
+    compiled = compile_as_users(jax.jit(step, donate_argnums=0).lower(params, x, x))
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow  # two compiles at the guide's size
 def test_guide_configuration_temporaries():
     # The guide's benchmark: 12 blocks, d_model 512, 8 heads, d_ff 2048, seq 256, batch 32,
     # MSE, SGD. Compile only. Floor: parameter gradients + 12 saved block inputs + one
@@ -160,8 +166,16 @@ def test_guide_configuration_temporaries():
 OFFLOADED = ["minimal_offloaded", el.nn.Save("attn_out", offload=("qkv", "ffn_hidden"))]
 
 
-@pytest.mark.parametrize("remat", OFFLOADED)
-@pytest.mark.parametrize("segment, scan", [(None, True), (2, True), (None, False)])
+@pytest.mark.parametrize(
+    "remat, segment, scan",
+    [("minimal_offloaded", None, True)]
+    + [  # two compiles each: the rest in CI
+        pytest.param(r, *where, marks=pytest.mark.slow)
+        for r in OFFLOADED
+        for where in [(None, True), (2, True), (None, False)]
+        if (r, *where) != ("minimal_offloaded", None, True)
+    ],
+)
 def test_host_offload_keeps_the_numbers(getkey, remat, segment, scan):
     # XLA:CPU drops the host placement, so offloading must be exactly saving: with scan,
     # segments, chunked attention (chunk_size 3 over seq 7, padded) and dropout.

@@ -170,6 +170,7 @@ def test_a_bit_set_with_more_bits_than_slots_keeps_the_first_ones():
     np.testing.assert_allclose(grad.values, np.sum(x, axis=0)[:5], rtol=1e-6)
 
 
+@pytest.mark.slow  # a stacked encoder in both storages, compiled twice each
 def test_bit_set_storage_of_stacked_layers_and_its_bytes(getkey):
     enc = el.nn.transformer_encoder(3, 16, 2, 32, key=getkey(), remat=True)
     key = getkey()

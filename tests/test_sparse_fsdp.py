@@ -60,6 +60,7 @@ BODY = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # two DSR steps on 4 devices
 @pytest.mark.parametrize("storage", ["indices", "bits"])
 def test_sparse_dsr_with_fsdp_on_four_devices_equals_one_device(storage):
     env = dict(os.environ)

@@ -13,7 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 import eqx_lowmem as el
 from eqx_lowmem.nn._layers import layer_hook
 
-from .helpers import tree_allclose
+from .helpers import compile_as_users, tree_allclose
 
 
 class Residual(eqx.Module):
@@ -216,7 +216,7 @@ def _temp_bytes(remat):
         g = jax.grad(loss)(p)
         return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
 
-    compiled = jax.jit(step, donate_argnums=0).lower(params, x).compile()
+    compiled = compile_as_users(jax.jit(step, donate_argnums=0).lower(params, x))
     return compiled.memory_analysis().temp_size_in_bytes
 
 

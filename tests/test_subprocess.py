@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from .helpers import compile_cache_env
 
@@ -53,6 +54,7 @@ def _load(path):
         return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
 
 
+@pytest.mark.slow  # three training processes
 def test_killed_run_resumes_bit_identically(tmp_path):
     # The three runs compile the same programs: the later two load them from a cache.
     env = compile_cache_env(tmp_path / "jax_cache")
@@ -157,6 +159,7 @@ DATA_PARALLEL_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a process of 4 devices
 def test_data_parallel_equals_single_device():
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     env = dict(os.environ, XLA_FLAGS=flags.strip())

@@ -16,7 +16,7 @@ import pytest
 
 import eqx_lowmem as el
 
-from .helpers import tree_allclose
+from .helpers import compile_as_users, load_benchmark, tree_allclose
 
 
 def _build(depth=16, width=1, *, key, **kwargs):
@@ -85,8 +85,16 @@ def _reference(model, state, x):
 def test_forward_matches_a_hand_written_network(getkey):
     model, state = _build(16, 2, key=getkey())
     x = jr.normal(getkey(), (6, 1, 12, 12))
-    logits, new_state = model.batched(x, state)
-    ref_logits, ref_new = _reference(model, state, x)
+    logits, new_state = eqx.filter_jit(model.batched)(x, state)
+    names = [("first", g) for g in range(3)] + [("rest", g) for g in range(3)] + ["bn"]
+
+    @eqx.filter_jit  # op by op, the reference takes seconds
+    def reference(model, state, x):
+        logits, new = _reference(model, state, x)
+        return logits, [new[n] for n in names]  # keys of two types: no pytree dict
+
+    ref_logits, ref_values = reference(model, state, x)
+    ref_new = dict(zip(names, ref_values, strict=True))
     assert tree_allclose(logits, ref_logits, rtol=1e-4, atol=1e-4)
     for g in range(3):
         assert tree_allclose(new_state.get(model.first_index[g]), ref_new[("first", g)], atol=1e-5)
@@ -170,10 +178,12 @@ def _step_bytes(remat, batch=32):
         grads, st = jax.grad(mean_loss, has_aux=True)(params)
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), st
 
-    memory = jax.jit(step, donate_argnums=0).lower(params, x, y).compile().memory_analysis()
+    lowered = jax.jit(step, donate_argnums=0).lower(params, x, y)
+    memory = compile_as_users(lowered).memory_analysis()
     return memory.temp_size_in_bytes
 
 
+@pytest.mark.slow  # WRN-22-1's step compiled three times
 def test_checkpoint_residual_cuts_compiled_memory():
     # Compile only, on XLA:CPU, where unrolled checkpointing would save nothing.
     # Measured at these shapes: 0.68 and 0.78 (the baseline's BatchNorm already keeps
@@ -234,7 +244,9 @@ def _hand_loop(model, state, x, y, k, lr):
 
 
 # float32 against the hand loop; a mixed and a half policy for BatchNorm's float32 state.
-@pytest.mark.parametrize("precision", ["float32", "mixed_bf16", "half_fp16"])
+@pytest.mark.parametrize(
+    "precision", ["float32", "mixed_bf16", pytest.param("half_fp16", marks=pytest.mark.slow)]
+)
 def test_micro_batches_use_their_own_statistics(getkey, precision):
     model, state = _build(10, 1, key=getkey())
     x, y = jr.normal(getkey(), (8, 1, 8, 8)), jr.randint(getkey(), (8,), 0, 10)
@@ -275,12 +287,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def _quality_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("paper_quality", QUALITY_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("paper_quality")
 
 
 def _need_fashion_mnist():
@@ -293,6 +300,7 @@ def _need_fashion_mnist():
         pytest.skip(f"Fashion-MNIST is not installed (dataset-fashion-mnist): {e}")
 
 
+@pytest.mark.slow  # the benchmark script's whole run, in two workers
 def test_quality_run_small_version(tmp_path):
     # The paper's accuracy comparison (benchmarks/paper_quality.py) at a size for the test
     # suite, run as a user runs it: two updates of 20 images (10 micro-batches of 2 in the
@@ -345,6 +353,7 @@ def test_quality_run_small_version(tmp_path):
     assert result["gap_points"] == pytest.approx(100 * (final["baseline_fp32"] - final["combined"]))
 
 
+@pytest.mark.slow  # the benchmark script, two workers
 def test_a_failing_quality_worker_stops_the_run_with_its_error(tmp_path):
     # A depth the WideResNet rejects fails inside the workers: the run exits at once with
     # the workers' own error and the seeds that failed, and writes no JSON.
@@ -376,6 +385,7 @@ def test_the_validation_split_holds_out_training_images_it_does_not_train_on():
         quality.load_data({"train": 55_000, "test": 10_000, "validation": True})
 
 
+@pytest.mark.slow  # the benchmark script's --select-lr, trained
 def test_select_lr_trains_the_baseline_per_rate_and_keeps_the_best_held_out(tmp_path):
     # `--select-lr` at the suite's size, in this process: the FP32 baseline at two rates on
     # 40 training images, scored on 30 others held out; the JSON names the best of them.
@@ -397,6 +407,7 @@ def test_select_lr_trains_the_baseline_per_rate_and_keeps_the_best_held_out(tmp_
     assert not (tmp_path / "paper_quality_quick.json").exists()  # no comparison was run
 
 
+@pytest.mark.slow  # five variants of the benchmark's step built
 def test_sparse_variants_change_only_the_sparsity_they_name():
     # `--sparse-variants` compares the combination with DSR's settings changed: each
     # variant must reach the model (its layers' densities and slots) or the step (its

@@ -257,13 +257,12 @@ class Stack(eqx.Module):
         pf = [leaves[n] for n in floats]
         po = [leaves[n] for n in others]
         acc = fusion.accumulators(slots)
-        fold, hook, count = fusion.fold, active_hook(), self.n_layers
-        seg = None if self.segment is None else min(self.segment, count)  # one at most
+        fold, hook = fusion.fold, active_hook()
+        units = _Units.of(self.n_layers, self.segment)
+        seg, n_full, rest, start = units.seg, units.n_full, units.rest, units.start
+        split, tail = units.split, units.tail
         # The hooks read the stack's static fields only: no array of it enters the loops.
         shell = eqx.tree_at(lambda s: s.blocks, self, static)
-        size = 1 if seg is None else seg
-        n_full, rest = divmod(count, size)
-        start = n_full * size  # of the shorter last segment
 
         def unit(pf_u, po_u, h, s, k, first):
             arrays: list[Any] = [None] * len(leaves)
@@ -277,16 +276,7 @@ class Stack(eqx.Module):
                     return Stack._layer(shell, p, static, h, s, k, first, batch)
                 return Stack._run_blocks(shell, p, static, h, s, k, first, batch)
 
-        def split(tree):
-            """The equal units' arrays, `(n_full, segment, ...)` (one block each: as is)."""
-            if seg is None:
-                return tree
-            return jax.tree.map(lambda a: a[:start].reshape(n_full, seg, *a.shape[1:]), tree)
-
-        def tail(tree):
-            return jax.tree.map(lambda a: a[start:], tree)
-
-        firsts = jnp.arange(n_full) * size
+        firsts = jnp.arange(n_full) * (seg or 1)
 
         def forward(pf, po, x, state, key, keep):
             def body(h, xs):
@@ -315,14 +305,7 @@ class Stack(eqx.Module):
             return (out, states), (pf, acc, po, state, key, inputs)
 
         def fold_at(acc, g, first):
-            def one(a, gi):
-                if seg is None:
-                    old = jax.lax.dynamic_index_in_dim(a, first, keepdims=False)
-                    return jax.lax.dynamic_update_index_in_dim(a, fold(old, gi), first, 0)
-                old = jax.lax.dynamic_slice_in_dim(a, first, gi.shape[0])
-                return jax.lax.dynamic_update_slice_in_dim(a, fold(old, gi), first, 0)
-
-            return [one(a, gi) for a, gi in zip(acc, g, strict=True)]
+            return [_fold_into(fold, seg, a, gi, first) for a, gi in zip(acc, g, strict=True)]
 
         def unit_vjp(pf_u, po_u, s_u, h_u, first, dh):
             _, vjp, _ = jax.vjp(
@@ -408,6 +391,42 @@ class Stack(eqx.Module):
         if self.stateful:
             state = jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
         return x, state
+
+
+class _Units(NamedTuple):
+    """How fused accumulation walks a stack: in units of one block (`seg` None) or of one
+    segment of `seg` blocks, `n_full` equal units and then `rest` blocks from `start`."""
+
+    seg: int | None
+    n_full: int
+    rest: int
+    start: int
+
+    @classmethod
+    def of(cls, n_layers: int, segment: int | None) -> "_Units":
+        seg = None if segment is None else min(segment, n_layers)  # one segment at most
+        n_full, rest = divmod(n_layers, 1 if seg is None else seg)
+        return cls(seg, n_full, rest, n_layers - rest)
+
+    def split(self, tree: PyTree) -> PyTree:
+        """The equal units' arrays, `(n_full, seg, ...)` (one block each: as they are)."""
+        if self.seg is None:
+            return tree
+        shape = (self.n_full, self.seg)
+        return jax.tree.map(lambda a: a[: self.start].reshape(*shape, *a.shape[1:]), tree)
+
+    def tail(self, tree: PyTree) -> PyTree:
+        """The shorter last unit's arrays."""
+        return jax.tree.map(lambda a: a[self.start :], tree)
+
+
+def _fold_into(fold: Callable, seg: int | None, acc: Array, g: Array, first: int | Array) -> Array:
+    """`acc` with the unit's gradient `g` folded into its slice from block `first` on."""
+    if seg is None:
+        old = jax.lax.dynamic_index_in_dim(acc, first, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(acc, fold(old, g), first, 0)
+    old = jax.lax.dynamic_slice_in_dim(acc, first, g.shape[0])
+    return jax.lax.dynamic_update_slice_in_dim(acc, fold(old, g), first, 0)
 
 
 def _check_segment(segment: object, n_layers: int) -> int | None:

@@ -16,6 +16,7 @@ from ..data import DataStream
 from ._batches import peek
 from ._loss import call_loss
 from ._losses import check_batch
+from ._resume import FORMATS
 from ._state import TrainState
 from ._step import Step
 
@@ -67,8 +68,12 @@ def check_trainer_args(
     log_seconds,
     interrupt,
     config,
+    checkpoint_format,
 ) -> dict[str, Any] | None:
     """The checks of `Trainer(...)`'s arguments; returns `config` as JSON would give it back."""
+    check_directory(None if checkpoint_dir is None else Path(checkpoint_dir))
+    if checkpoint_format not in FORMATS:
+        raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}.")
     int_arg("checkpoint_every", checkpoint_every, 1, none=True)
     int_arg("keep_checkpoints", keep_checkpoints, 1)
     int_arg("max_consecutive_skips", max_consecutive_skips, 1)

@@ -112,7 +112,8 @@ def make_step(
             at a time (`stack(..., segment=k)`), adds each layer's gradient straight into
             the accumulator in its backward loop, in place: the micro-batch's gradient of
             those parameters is never held whole beside the accumulator (one
-            gradient-sized buffer less; the same additions, in the same order). Stacks it
+            gradient-sized buffer less; the same additions, in the same order where
+            the stack runs once per micro-batch: bit-identical updates). Stacks it
             cannot apply to run as before: those that keep activations, and FSDP's
             gathered stacks. `False` turns it off.
 

@@ -30,7 +30,7 @@ from ._checks import (
 from ._evaluate import eval_function, evaluate
 from ._loop import train
 from ._make_step import make_step
-from ._resume import FORMATS, checkpoints, claim_directory, newest, resume, settings
+from ._resume import checkpoints, claim_directory, newest, resume, settings
 from ._run import Run
 from ._signals import sigint
 from ._state import TrainState
@@ -59,6 +59,13 @@ class Trainer:
         >>> len(history["train_loss"])
         5
     """
+
+    # The run's state before the first `fit` (each instance sets its own from then on).
+    state: TrainState | None = None
+    updates: int = 0  # updates taken in the run (skipped ones included)
+    _interrupted: bool = False
+    _orbax: Any = None  # the orbax engine while `fit` runs, with that format
+    _writer: Any = None  # the TensorBoard writer while `fit` runs, with `log_dir`
 
     def __init__(
         self,
@@ -170,15 +177,11 @@ class Trainer:
             log_seconds=log_seconds,
             interrupt=interrupt,
             config=config,
+            checkpoint_format=checkpoint_format,
         )
-        if checkpoint_format not in FORMATS:
-            raise ValueError(
-                f"checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}."
-            )
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         self.checkpoint_format = checkpoint_format
         self.log_dir = None if log_dir is None else Path(log_dir)
-        check_directory(self.checkpoint_dir)
         self.step_fn = make_step(
             loss,
             optimizer,
@@ -212,12 +215,7 @@ class Trainer:
         # Until the first fit; then the model lives only in `state`.
         self._model = model
         self._model_state = model_state
-        self.state: TrainState | None = None
         self.history: dict[str, list[float]] = {"train_loss": []}
-        self.updates = 0  # updates taken in the run (skipped ones included)
-        self._interrupted = False
-        self._orbax = None  # the orbax engine while `fit` runs, with that format
-        self._writer = None  # the TensorBoard writer while `fit` runs, with `log_dir`
         self._eval_fn = eval_function(loss, self.step_fn.policy, jit=compile)
 
     @property

@@ -1,0 +1,397 @@
+"""Write the README's measured figures from the committed JSON in `benchmarks/results/`.
+
+Each generated part of README.md stands between `<!-- figures:NAME -->` and
+`<!-- /figures:NAME -->`, and `SECTIONS[NAME]` writes it from the JSON alone, so a figure in
+the README cannot drift from its measurement: rerun a benchmark, then this script.
+`tests/test_readme_figures.py` fails when the README and the JSON disagree.
+
+    python benchmarks/readme_figures.py          # rewrite README.md's generated parts
+    python benchmarks/readme_figures.py --check  # exit 1, naming the parts that differ
+"""
+
+import argparse
+import json
+import re
+import sys
+import textwrap
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+MIB = 2**20
+MARKER = re.compile(r"<!-- figures:([\w-]+) -->\n(.*?)<!-- /figures:\1 -->\n", re.S)
+
+
+@cache
+def result(name: str) -> dict:
+    """`benchmarks/results/<name>.json`."""
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def date(name: str) -> str:
+    return result(name)["environment"]["date"][:10]
+
+
+def paragraph(text: str) -> str:
+    """`text` (one line) wrapped as the README's paragraphs are."""
+    return textwrap.fill(text, width=92, break_long_words=False, break_on_hyphens=False)
+
+
+def x(ratio: float, digits: int = 2) -> str:
+    return f"{ratio:.{digits}f}x"
+
+
+def sci(value: float) -> str:
+    """One significant digit in scientific notation: 9e-8."""
+    mantissa, exponent = f"{value:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def unmet(met, text: str) -> str:
+    """`text` followed by whether its goal was met, as the JSON says."""
+    if met is None or isinstance(met, str):
+        return f"{text}: not measured"
+    return f"{text}: met" if met else f"{text}: **not met**"
+
+
+# ------------------------------------------------------------------------------ sections
+
+
+def main_job_setup() -> str:
+    m = result("examples")["main_job"]
+    return paragraph(
+        f"It trains {m['updates']} updates; measured on {date('examples')} "
+        f"(`benchmarks/examples.py`): {m['cpu_s']:,.0f} s of CPU time, {m['wall_s']:,.0f} s "
+        f"of wall time on 2 CPU cores shared with other work (load average "
+        f"{m['load_before'][0]:.1f} at the start)."
+    )
+
+
+def short_example_time() -> str:
+    s = result("examples")["short_example"]
+    return paragraph(
+        f"Measured on {date('examples')} (`benchmarks/examples.py`): {s['cpu_s']:,.0f} s of "
+        f"CPU time, {s['wall_s']:,.0f} s of wall time on 2 CPU cores shared with other work "
+        f"(load average {s['load_before'][0]:.1f} at the start), mostly compiling."
+    )
+
+
+def shard() -> str:
+    rows = result("shard")["rows"]
+    counts = " / ".join(str(r["devices"]) for r in rows)
+    args = " / ".join(x(r["argument_ratio"]) for r in rows)
+    temps = " / ".join(x(r["temp_ratio"]) for r in rows)
+    cfg = result("shard")["config"]
+    return paragraph(
+        f"Measured on XLA:CPU host devices (`python benchmarks/shard.py`, "
+        f"`benchmarks/results/shard.json`, {date('shard')}, a {cfg['n_layers']}-block "
+        f"encoder with Adam): FSDP's per-device arguments are {args} of the replicated "
+        f"step's on {counts} devices, its temporaries {temps}."
+    )
+
+
+def _sparse_rows() -> dict:
+    return {r["variant"]: r for r in result("sparse")["storage"]}
+
+
+BITS = "ours, positions as a bit set"
+REWIRED = "ours + DSR every 100 steps, after 30 rewirings"
+
+
+def sparse() -> str:
+    rows, goals = _sparse_rows(), result("sparse")["goals"]
+    ours, dsr100 = rows["ours"], rows["ours + DSR every 100 steps"]
+    head = paragraph(
+        f"Measured (`benchmarks/sparse.py`, `benchmarks/results/sparse.json`, "
+        f"{date('sparse')}, 2 CPU cores; an MLP of three 1024x1024 layers and a head, batch "
+        "128, Adam, 30% density and 10% slack, compile-only memory, times side by side in "
+        "one process):"
+    )
+    time_met = all(goals[f"{n}: time <= 1.3x dense"] for n in ("ours", REWIRED))
+    bullets = [
+        f"- parameters + Adam: {x(ours['params_opt_vs_dense'])} dense;",
+        f"- the step's peak: {x(ours['peak_vs_dense'])} dense, "
+        f"{x(dsr100['peak_vs_dense'])} with DSR compiled in (the goal is 0.6x: "
+        f"{'met' if goals['ours: peak <= 0.6x dense'] else '**not met**'});",
+        textwrap.fill(
+            f"- the step's time: {x(ours['time_vs_dense'])} dense; "
+            f"{x(dsr100['time_vs_dense'])} with DSR rewiring every 100 steps, "
+            f"{x(rows[REWIRED]['time_vs_dense'])} for the same step on a model that 30 "
+            f"rewirings have moved (the goal is 1.3x: {'met' if time_met else '**not met**'}).",
+            width=92,
+            subsequent_indent="  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        ),
+    ]
+    masked, bcoo = rows["masked dense (jaxpruner)"], rows["BCOO"]
+    others = paragraph(
+        f"The jaxpruner way (a dense weight times a mask) takes "
+        f"{x(masked['params_opt_vs_dense'])} dense bytes. BCOO weights from "
+        f"`jax.experimental.sparse` peak at {bcoo['peak_vs_dense']:.0f}x dense and run "
+        f"{bcoo['time_vs_dense']:.0f}x slower."
+    )
+    return "\n".join([head, *bullets]) + "\n\n" + others
+
+
+def sparse_bits() -> str:
+    rows, goals = _sparse_rows(), result("sparse")["goals"]
+    ours, bits = rows["ours"], rows[BITS]
+    met = goals[f"{BITS}: time <= 1.3x dense"]
+    return paragraph(
+        f"On the MLP above (the same run): parameters + Adam {x(bits['params_opt_vs_dense'])} "
+        f"dense against {x(ours['params_opt_vs_dense'])}, the step's peak "
+        f"{x(bits['peak_vs_dense'])} against {x(ours['peak_vs_dense'])}, but the step takes "
+        f"{x(bits['time_vs_dense'])} the dense step's time against "
+        f"{x(ours['time_vs_dense'])} (the goal of 1.3x is "
+        f"{'met' if met else '**not met** with a bit set'}): each step walks every layer's "
+        "bits three times (two rebuilds of the dense weight and the value gradient), a chunk "
+        "of positions at a time, so that no positions array is ever held."
+    )
+
+
+def sparse_quality() -> str:
+    q = result("sparse")["quality"]
+    cfg, when = q["config"], result("sparse").get("quality_environment", {}).get("date", "")
+    return paragraph(
+        f"On Fashion-MNIST (an MLP {'-'.join(map(str, cfg['model']))}, {cfg['epochs']} "
+        f"epochs, batch {cfg['batch']}, {cfg['optimizer']}; `benchmarks/sparse.py`, the "
+        f"JSON's `quality`, {when[:10]}), DSR at {cfg['density']:.0%} density reaches "
+        f"{100 * q['dsr_30']['test_accuracy'][-1]:.2f}% test accuracy against "
+        f"{100 * q['dense']['test_accuracy'][-1]:.2f}% dense."
+    )
+
+
+# (label, configuration, whether its peak is shown in bold: remat's own rows)
+_GUIDE_ROWS = (
+    ("plain Equinox: `lax.scan`, body in `eqx.filter_checkpoint`", "plain_eqx_checkpoint", 0),
+    ("`remat=True`", "remat_full", 1),
+    ("`accumulate=4` (4 x 8)", "accumulate_4", 0),
+    ("`remat=True`, `accumulate=4`", "remat_full_accumulate_4", 1),
+    ('`segment="sqrt"` (3 blocks)', "segments_sqrt", 0),
+    ('`precision="mixed_bf16"` (XLA:CPU computes bf16 in float32)', "mixed_bf16", 0),
+)
+
+
+def guide() -> str:
+    d = result("memory_and_data")
+    ref, configs = d["reference_t4"], d["configs"]
+    lines = [
+        "| configuration | device | peak vs baseline | step time vs baseline |",
+        "|---|---|---:|---:|",
+        f"| guide's reference: per-block `jax.checkpoint` | T4 | {ref['peak_ratio']:.3f} "
+        f"| {ref['time_ratio']:.2f} |",
+    ]
+    for label, name, bold in _GUIDE_ROWS:
+        c = configs[name]
+        peak = f"**{c['peak_vs_baseline']:.3f}**" if bold else f"{c['peak_vs_baseline']:.3f}"
+        lines.append(f"| {label} | CPU | {peak} | {c['time_vs_baseline']:.2f} |")
+    claims = {c["id"]: c for c in d["claims"]}
+    held = all(c["met"] for c in d["claims"])
+    text = paragraph(
+        f"Measured on {date('memory_and_data')}. The baseline's peak is "
+        f"{configs['baseline']['peak_bytes'] / MIB:,.0f} MiB; with `remat=True` it is "
+        f"{configs['remat_full']['peak_bytes'] / MIB:,.0f} MiB. The claims written before the "
+        f"run {'all held' if held else 'did not all hold'}: remat's peak at most "
+        f"{claims['remat_peak']['threshold']}x ({claims['remat_peak']['measured']:.3f}), its "
+        f"time at most {claims['remat_time']['threshold']}x "
+        f"({claims['remat_time']['measured']:.2f}), and 4 micro-batches of 8 equal to a batch "
+        f"of 32 ({sci(claims['accumulate_equal']['measured'])} relative)."
+    )
+    return "\n".join(lines) + "\n\n" + text
+
+
+def remat() -> str:
+    d = result("remat")
+    v = d["variants"]
+
+    def preset(name: str) -> str:
+        r = v[f"{name}/scan"]
+        return f"{name} {r['memory_vs_none']:.3f}x the peak at {r['time_vs_none']:.2f}x the time"
+
+    compile_ratio = d["compile_s"]["48"] / d["compile_s"]["4"]
+    gpu = [g for g in d["goals"] if g["goal"].startswith("GPU")]
+    return paragraph(
+        f"**Recomputation presets** (`benchmarks/remat.py`, {date('remat')}; memory at the "
+        f"guide's size, time at 4 layers, batch 2): {preset('full')}, {preset('dots')}, "
+        f"{preset('minimal')}; compiling 48 scanned layers took {compile_ratio:.3f}x the time "
+        f"of 4. Its {len(gpu)} GPU goals are not measured (no GPU)."
+    )
+
+
+def accumulate() -> str:
+    d = result("accumulate")
+    rows, achieved, met = d["variants"], d["achieved"], d["goals_met"]
+    m = d["model"]
+    k4, whole = rows["scan_k4"], rows["whole_batch"]
+    return paragraph(
+        f"**Accumulation** (`benchmarks/accumulate.py`, {date('accumulate')}; "
+        f"{m['n_layers']} blocks, d_model {m['d_model']}, seq {d['seq']}, batch {d['batch']}, "
+        f"SGD): 4 micro-batches of 8 ran at {x(achieved['scan_k4_vs_whole_batch'])} the whole "
+        f"batch's updates per second with a peak of {k4['memory']['peak'] / MIB:.0f} MiB "
+        f"against {whole['memory']['peak'] / MIB:.0f} MiB (the goal of "
+        f"{d['goals']['scan_k4_vs_whole_batch']}x: "
+        f"{'met' if met['scan_k4_vs_whole_batch'] else '**not met**'}), and at "
+        f"{x(achieved['scan_k4_vs_multisteps_k4'])} `optax.MultiSteps`, which keeps a "
+        f"parameter-sized buffer in its optimizer state (the goal of "
+        f"{d['goals']['scan_k4_vs_multisteps_k4']}x: "
+        f"{'met' if met['scan_k4_vs_multisteps_k4'] else '**not met** on this machine'})."
+    )
+
+
+def precision() -> str:
+    d = result("precision")
+    a, met = d["achieved"], d["goals_met"]
+    gpu = [n for n in met if n.startswith("gpu_")]
+    return paragraph(
+        f"**Precision** (`benchmarks/precision.py`, {date('precision')}, guide "
+        f"configuration): the backward pass keeps {x(a['residuals_mixed_bf16_vs_float32'])} "
+        f"the bytes in mixed bf16 that it keeps in float32; 16-bit storage holds parameters "
+        f"and Adam state in {x(a['param_opt_bytes_half_bf16_vs_float32'])} the bytes (both "
+        f"goals of at most 0.55x: "
+        f"{'met' if all(met[n] is True for n in a) else '**not all met**'}). Its "
+        f"{len(gpu)} GPU goals (peak and speed of mixed bf16) are not measured (no GPU)."
+    )
+
+
+def data() -> str:
+    d = result("stream")
+    fast, small = d["rates_64KiB"]["methods"], d["rates_1KiB"]["methods"]
+    a, met, goals = d["achieved"], d["goals_met"], d["goals"]
+    mix = d["mixing"]["distinct_classes_per_batch"]
+    p = d["prefetch"]
+
+    def ratio(rows: dict, name: str) -> str:
+        return f"{rows[name]['vs_in_order']:.2f}x"
+
+    prefetch = (
+        f"a step fed by `prefetch()` ran at {p['ratio']:.2f}x the steps per second of the "
+        f"same step on batches already on the device, on the CPU, where the reading thread "
+        f"and the step share the 2 cores; the goal of {goals['gpu_prefetch_vs_on_device']}x "
+        f"is for a GPU and "
+        + (
+            "not measured"
+            if met["gpu_prefetch_vs_on_device"] is None
+            else ("met" if met["gpu_prefetch_vs_on_device"] else "**not met**")
+        )
+    )
+    grain = unmet(met["shuffled_vs_grain"], f"the goal of {goals['shuffled_vs_grain']}x")
+    return paragraph(
+        f"**Data** (`benchmarks/stream.py`, {date('stream')}; {d['samples']:,} samples of "
+        f"64 KiB in a `.npy`, batch {d['batch']}, every batch copied out of the file): "
+        f"bounded and global shuffles at {ratio(fast, 'bounded_shuffle_512')} and "
+        f"{ratio(fast, 'global_shuffle')} the in-order rate "
+        f"({ratio(small, 'bounded_shuffle_512')} and {ratio(small, 'global_shuffle')} with "
+        f"1 KiB samples), {x(a['shuffled_vs_grain'], 1)} grain's fastest shuffled setting "
+        f"({grain}); "
+        f"on {d['mixing']['samples']:,} samples sorted into {d['mixing']['classes']} classes "
+        f"a buffer of {d['mixing']['buffer']:,} gives {mix['bounded_shuffle_1000']:.2f} "
+        f"distinct classes per batch of {d['mixing']['batch']} (a full shuffle "
+        f"{mix['full_random']:.2f}, a sliding buffer {mix['sliding_sample_buffer_1000']:.2f}); "
+        f"{prefetch}."
+    )
+
+
+def main_job() -> str:
+    m = result("examples")["main_job"]
+    return paragraph(
+        f"**The main job** (`examples/train_char_lm.py`, default settings, 2 CPU cores; "
+        f"`benchmarks/examples.py`, {date('examples')}): {m['updates']} updates; the "
+        f"evaluation loss fell to {m['final_eval_loss']:.3f} nats per character against the "
+        f"text's unigram entropy of {m['unigram_entropy']:.3f}, in {m['cpu_s']:,.0f} s of CPU "
+        f"time and {m['wall_s']:,.0f} s of wall time (training {m['train_seconds']:,.0f} s) "
+        f"on a machine shared with other work."
+    )
+
+
+def checkpoint() -> str:
+    d = result("checkpoint")
+    big, small, kills = d["stall"]["100mb"], d["stall"]["small"], d["sigkill"]
+    loads = [*d["load_average_before"], *d["load_average_after"]]
+    met = d["goals"]["async_stall_at_most_0.2x_file_save_100mb"]
+    return paragraph(
+        f"Measured (`benchmarks/checkpoint.py`, `benchmarks/results/checkpoint.json`, "
+        f"{date('checkpoint')}, 2 CPU cores at a load average of {min(loads):.1f}-"
+        f"{max(loads):.1f}, medians of 5 saves): for a {big['state_mb']:.0f} MB state (an MLP "
+        f"of 8 layers 1024x1024 with Adam) the single file's synchronous save took "
+        f"{big['file_save_s']:.2f} s, and orbax's asynchronous save held the caller for "
+        f"{big['orbax_async_stall_s']:.3f} s ({x(big['async_stall_vs_file_save'])}: the goal "
+        f"of at most 0.2x, {'met' if met else '**not met**'}), the rest of its "
+        f"{big['orbax_async_write_s']:.2f} s written in the background; orbax's synchronous "
+        f"save took {big['orbax_sync_write_s']:.2f} s. Killed {kills['killed']} times at "
+        f"random moments ({kills['during_async_save']} of them during an asynchronous save), "
+        f"the orbax run resumed bit-identically {kills['bit_identical_resumes']} times. For "
+        f"the tests' small MLP, the single file saved in {small['file_save_s']:.3f} s "
+        f"against orbax's {small['orbax_async_stall_s']:.3f} s stall and "
+        f"{small['orbax_async_write_s']:.2f} s of writing."
+    )
+
+
+SECTIONS: dict[str, Callable[[], str]] = {
+    "checkpoint": checkpoint,
+    "main-job-setup": main_job_setup,
+    "short-example-time": short_example_time,
+    "shard": shard,
+    "sparse": sparse,
+    "sparse-bits": sparse_bits,
+    "sparse-quality": sparse_quality,
+    "guide": guide,
+    "remat": remat,
+    "accumulate": accumulate,
+    "precision": precision,
+    "data": data,
+    "main-job": main_job,
+}
+
+
+def render(readme: str) -> tuple[str, list[str]]:
+    """`readme` with every generated part rewritten, and the names of the parts that
+    changed.
+
+    Raises:
+        ValueError: when a part of the README names no section here, or a section has no
+            part in the README.
+    """
+    found = MARKER.findall(readme)
+    names = [name for name, _ in found]
+    unknown = sorted(set(names) - set(SECTIONS))
+    missing = sorted(set(SECTIONS) - set(names))
+    if unknown or missing or len(names) != len(set(names)):
+        raise ValueError(
+            f"README.md's figure markers do not match readme_figures.SECTIONS: unknown "
+            f"{unknown}, missing {missing}, repeated "
+            f"{sorted({n for n in names if names.count(n) > 1})}."
+        )
+    changed = [name for name, body in found if body != SECTIONS[name]() + "\n"]
+
+    def replace(match: re.Match) -> str:
+        name = match.group(1)
+        return f"<!-- figures:{name} -->\n{SECTIONS[name]()}\n<!-- /figures:{name} -->\n"
+
+    return MARKER.sub(replace, readme), changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only say what differs")
+    args = parser.parse_args(argv)
+    text, changed = render(README.read_text())
+    if args.check:
+        if changed:
+            print(f"README.md differs from the JSON in: {', '.join(changed)}", file=sys.stderr)
+            return 1
+        return 0
+    if changed:
+        sys.path.insert(0, str(ROOT))  # the checkout, installed or not
+        from eqx_lowmem._io import atomic_write
+
+        atomic_write(README, text.encode())
+    print(f"rewrote {', '.join(changed) or 'nothing'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

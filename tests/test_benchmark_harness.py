@@ -1,0 +1,72 @@
+"""benchmarks/_common.py, the harness every benchmark script uses: interleaved timing
+rounds, worker processes pinned one per core, atomic plots."""
+
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+
+from .helpers import load_benchmark
+
+common = load_benchmark("_common")
+
+
+def test_interleaved_rounds_alternate_the_order_and_time_every_call():
+    order = []
+    calls = {name: (lambda n=name: order.append(n)) for name in "abc"}
+    rounds = common.interleaved(calls, 3)
+    assert order == list("abccbaabc")  # ABBA: drift weighs on all alike
+    assert list(rounds.wall) == list("abc") and all(len(t) == 3 for t in rounds.wall.values())
+    assert all(t >= 0 for times in (*rounds.wall.values(), *rounds.cpu.values()) for t in times)
+    assert common.median_ratio([2.0, 9.0, 4.0], [1.0, 3.0, 1.0]) == 3.0  # of 2, 3, 4
+
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    sys.path.insert(0, {benchmarks!r})
+    from _common import pinned_worker
+
+    def work(spec):
+        if spec["fail"]:
+            raise SystemExit(3)
+        return {{"square": spec["n"] ** 2, "cores": sorted(os.sched_getaffinity(0))}}
+
+    if __name__ == "__main__":
+        sys.exit(pinned_worker(sys.argv[2], work))
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
+def test_run_pinned_runs_each_spec_in_a_worker_on_its_own_core(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(benchmarks=str(common.RESULTS.parent)))
+    specs = [{"n": n, "fail": False, "label": f"n={n}"} for n in (3, 2)]
+    outs = common.run_pinned(script, specs, workers=2)
+    assert [o["square"] for o in outs] == [9, 4]  # in the order of the specs
+    cores = common.cores()
+    assert all(len(o["cores"]) == 1 and o["cores"][0] in cores for o in outs)
+    assert common.workers_per_core(1) == 1 and common.workers_per_core(99) == len(cores)
+    bad = [*specs[:1], {"n": 1, "fail": True, "label": "the bad one"}]
+    with pytest.raises(RuntimeError, match="worker workers failed.*the bad one exit code 3"):
+        common.run_pinned(script, bad, workers=2)
+
+
+def test_a_figure_is_saved_atomically_and_closed(tmp_path):
+    pytest.importorskip("matplotlib")
+    plt = common.pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    path = common.save_figure(fig, tmp_path / "f.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(tmp_path) == ["f.png"] and not plt.fignum_exists(fig.number)
+
+
+def test_results_carry_the_environment(tmp_path):
+    path = common.write_json("r", {"x": 1}, directory=tmp_path)
+    record = json.loads(path.read_text())
+    assert record["x"] == 1 and record["environment"]["python"] == sys.version.split()[0]
+    assert {"jax", "jaxlib", "equinox", "optax", "numpy"} <= set(record["environment"]["versions"])
