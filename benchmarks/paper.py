@@ -1,16 +1,21 @@
 """Sohoni et al. (2019), "Low-memory neural network training: a technical report",
 reproduced with eqx_lowmem: the memory tables (compile only). The accuracy comparison is
-`benchmarks/paper_quality.py`.
+`benchmarks/paper_quality.py`; accuracy against memory is `benchmarks/frontier.py`.
 
-Memory: WideResNet-28-2 at batch 100 on 32x32x3 inputs with momentum
-SGD, as the paper, one row per technique and their combination; and a transformer at the
-paper's settings (FP16, micro-batches of 250 tokens, every block checkpointed). Each row is
+Memory: WideResNet-28-2 at batch 100 on 32x32x3 inputs with momentum SGD, as the paper, one
+row per technique and their combinations; and a transformer at the paper's settings (FP16,
+micro-batches of 250 tokens, every block checkpointed). Each row is
 `eqx_lowmem.memory.memory_report` of the real training step (`make_step`), compiled in a
-process of its own, nothing run. Columns: model (parameters), gradients (float32, plus the
-accumulator with micro-batches), optimizer state, saved activations, the predicted total
-(on XLA:CPU for a 16-bit row: the report's GPU/TPU estimate, as XLA:CPU computes 16 bits in
-float32), the sum of the parts the paper's profiler counts (every tensor but XLA's other
-temporaries), and the reduction of each against our own FP32 baseline next to the paper's.
+process of its own, nothing run. Both accountings, against our own FP32 baseline:
+
+- compiled: what XLA allocates for the step (argument + output + temp - alias, XLA:CPU),
+  with the report's reading of it: what is live at the peak by part, the float32 copies
+  XLA:CPU makes of 16-bit arrays among them, and the room its packing leaves;
+- sum of parts: model, gradients (with the accumulator), optimizer state, saved activations
+  and batch, each counted whole: what the paper's profiler counts.
+
+The new configurations are timed against their neighbour (side by side, at a WRN-16-1's
+size: a WRN-28-2 update takes seconds on a CPU).
 
     python benchmarks/paper.py              # memory tables
     python benchmarks/paper.py --quick
@@ -18,6 +23,7 @@ temporaries), and the reduction of each against our own FP32 baseline next to th
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -68,7 +74,31 @@ WRN_ROWS = {
         0.3,
         "float16",
     ),
+    # The combination with micro-batches of 2 images and of 1 (BatchNorm's statistics of 2
+    # or 1 image: their accuracy is benchmarks/frontier.py's). What XLA allocates falls
+    # with the micro-batch, as the working set of recomputation does.
+    "fp16_checkpoint_micro50_sparse30": (
+        "half_fp16",
+        "checkpoint-residual-1",
+        50,
+        0.3,
+        "float16",
+    ),
+    "fp16_checkpoint_micro100_sparse30": (
+        "half_fp16",
+        "checkpoint-residual-1",
+        100,
+        0.3,
+        "float16",
+    ),
 }
+# New configurations, each timed against its neighbour (at WRN_TIMED's size: a WRN-28-2
+# step takes seconds per update on a CPU).
+TIMED = {
+    "fp16_checkpoint_micro50_sparse30": "fp16_checkpoint_micro10_sparse30",
+    "fp16_checkpoint_micro100_sparse30": "fp16_checkpoint_micro10_sparse30",
+}
+WRN_TIMED = {"depth": 16, "width": 1, "batch": 100, "image": (3, 32, 32), "classes": 10}
 # Where a sparse layer's slots are: a bit set, one bit per dense weight (at 30% density 3.3
 # bits per non-zero, against 16 or 32 for int16/int32 indices: `sparsify(storage=...)`).
 SPARSE_STORAGE = "bits"
@@ -76,7 +106,7 @@ SPARSE_STORAGE = "bits"
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 WRN = {"depth": 28, "width": 2, "batch": 100, "image": (3, 32, 32), "classes": 10}
-WRN_QUICK = {"depth": 10, "width": 1, "batch": 20, "image": (3, 8, 8), "classes": 10}
+WRN_QUICK = {"depth": 10, "width": 1, "batch": 100, "image": (3, 8, 8), "classes": 10}
 
 # The paper's DynamicConv transformer on IWSLT'14 De-En: 4,000-token batches, 12 layers
 # (encoder and decoder) of width 512, 4 heads, feed-forward 1024, a 10k vocabulary. Ours is
@@ -164,27 +194,38 @@ def _report_row(report: Any) -> dict:
         "activations": s["activations"],
         "batch": s["batch"],
     }
+    at_peak = report.at_peak or {}
     return {
         **parts,
-        "total": int(report.accelerator_peak_bytes),
-        "cpu_peak": int(report.peak_bytes),
+        # What XLA allocates for the step as compiled here (XLA:CPU): argument + output +
+        # temp - alias.
+        "total": int(report.peak_bytes),
         "sum_of_parts": int(sum(parts.values())),
+        # The report's reading of that peak: what is live at it, by part, from XLA's
+        # buffer assignment, and the room XLA's packing leaves between the live buffers.
+        "at_peak": at_peak,
+        "live_at_peak": report.live_peak_bytes,
+        "packing": report.packing_bytes,
+        "predicted": None
+        if report.at_peak is None
+        else report.live_peak_bytes + report.packing_bytes,
+        # Bytes of float32 copies XLA:CPU makes of 16-bit arrays (it has no 16-bit matrix
+        # product or convolution), live at the peak: the backend's, not the library's.
+        "backend_upcast_bytes": at_peak.get("upcasts", 0),
+        "gpu_estimate": int(report.accelerator_peak_bytes),
         "config": report.config,
         "notes": list(report.notes),
     }
 
 
-def worker_wrn(spec: dict) -> dict:
+def _wrn(row: str, cfg: dict) -> tuple[Any, Any]:
+    """A row's WideResNet (sparsified where the row says) and its BatchNorm state."""
     import equinox as eqx
-    import jax
-    import jax.numpy as jnp
     import jax.random as jr
-    import optax
 
     import eqx_lowmem as el
 
-    cfg = spec["cfg"]
-    precision, remat, accumulate, density, accumulate_dtype = WRN_ROWS[spec["row"]]
+    _, remat, _, density, _ = WRN_ROWS[row]
     model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
         cfg["depth"],
         cfg["width"],
@@ -203,6 +244,19 @@ def worker_wrn(spec: dict) -> dict:
             exclude=el.nn.WideResNet.keep_dense,
             storage=SPARSE_STORAGE,
         )
+    return model, state
+
+
+def worker_wrn(spec: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import eqx_lowmem as el
+
+    cfg = spec["cfg"]
+    precision, remat, accumulate, density, accumulate_dtype = WRN_ROWS[spec["row"]]
+    model, state = _wrn(spec["row"], cfg)
     batch = (
         jax.ShapeDtypeStruct((cfg["batch"], *cfg["image"]), jnp.uint8),
         jax.ShapeDtypeStruct((cfg["batch"],), jnp.int32),
@@ -223,6 +277,44 @@ def worker_wrn(spec: dict) -> dict:
     uses = _uses(precision, remat, accumulate, density, accumulate_dtype,
                  "uint8 images, int32 labels")  # fmt: skip
     return {**_report_row(report), "uses": uses, "seconds": time.perf_counter() - t}
+
+
+def worker_time(spec: dict) -> dict:
+    """Seconds per update of a new row and of its neighbour, side by side in this process
+    (at `WRN_TIMED`'s size, real random images): medians of alternating timed updates."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import jax.random as jr
+    import optax
+
+    import eqx_lowmem as el
+
+    cfg = spec["cfg"]
+    images = jr.randint(jr.PRNGKey(2), (cfg["batch"], *cfg["image"]), 0, 256).astype(jnp.uint8)
+    labels = jr.randint(jr.PRNGKey(3), (cfg["batch"],), 0, cfg["classes"])
+    runs = {}
+    for row in (spec["row"], TIMED[spec["row"]]):
+        precision, _, accumulate, _, accumulate_dtype = WRN_ROWS[row]
+        model, state = _wrn(row, cfg)
+        step = el.train.make_step(
+            wrn_loss, optax.sgd(0.1, momentum=0.9), accumulate=accumulate,
+            precision=precision, accumulate_dtype=jnp.dtype(accumulate_dtype), has_state=True,
+        )  # fmt: skip
+        runs[row] = [step, step.init(model, key=jr.PRNGKey(0), model_state=state)]
+    times: dict[str, list[float]] = {row: [] for row in runs}
+    for i in range(4):  # the first round compiles and burns in
+        for row, run in runs.items():
+            t = time.perf_counter()
+            run[1], metrics = run[0](run[1], (images, labels))
+            jax.block_until_ready(metrics["loss"])
+            if i:
+                times[row].append(time.perf_counter() - t)
+    del eqx
+    medians = {row: sorted(ts)[len(ts) // 2] for row, ts in times.items()}
+    new, old = spec["row"], TIMED[spec["row"]]
+    return {"seconds": medians, "ratio": medians[new] / medians[old], "cfg": cfg,
+            "load": os.getloadavg()}  # fmt: skip
 
 
 def worker_transformer(spec: dict) -> dict:
@@ -268,12 +360,13 @@ def _table(rows: dict, baseline: str, paper_baseline_mb: float | None) -> list[s
     base = rows[baseline]
     lines = [
         "| row | model MB | gradients MB | optimizer MB | activations MB | batch MB | "
-        "total MB | reduction | sum of parts MB | reduction | paper |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "compiled MB | reduction | live at peak MB | f32 copies MB | sum of parts MB | "
+        "reduction | paper |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in rows.items():
         if "error" in r:
-            lines.append(f"| {name} | {r['error']} ||||||||||")
+            lines.append(f"| {name} | {r['error']} ||||||||||||")
             continue
         paper = PAPER.get(name)
         paper_txt = "" if paper is None else f"{paper:.1f}x"
@@ -283,7 +376,8 @@ def _table(rows: dict, baseline: str, paper_baseline_mb: float | None) -> list[s
             f"| {name} | {r['model'] / MB:.2f} | {r['gradients'] / MB:.2f} | "
             f"{r['optimizer'] / MB:.2f} | {r['activations'] / MB:.2f} | {r['batch'] / MB:.2f} | "
             f"{r['total'] / MB:.1f} | "
-            f"{base['total'] / r['total']:.1f}x | {r['sum_of_parts'] / MB:.1f} | "
+            f"{base['total'] / r['total']:.1f}x | {(r.get('live_at_peak') or 0) / MB:.1f} | "
+            f"{r.get('backend_upcast_bytes', 0) / MB:.1f} | {r['sum_of_parts'] / MB:.1f} | "
             f"{base['sum_of_parts'] / r['sum_of_parts']:.1f}x | {paper_txt} |"
         )
     return lines
@@ -304,7 +398,17 @@ def run_memory(quick: bool) -> dict:
         r = out[kind][row]
         print(row, {k: r.get(k) for k in ("total", "sum_of_parts", "error")}, flush=True)
     wrn, tr = out["wrn"], out["transformer"]
-    out["config"] = {"wrn": wrn_cfg, "transformer": tr_cfg, "quick": quick}
+    out["step_time"] = {}
+    timed_cfg = WRN_QUICK if quick else WRN_TIMED
+    for row in TIMED:
+        try:
+            out["step_time"][row] = spawn(__file__, {"kind": "time", "row": row,
+                                                     "cfg": timed_cfg}, timeout=3600)  # fmt: skip
+        except RuntimeError as e:
+            out["step_time"][row] = {"error": str(e).splitlines()[-1][:200]}
+        print(row, "step time", out["step_time"][row], flush=True)
+    out["config"] = {"wrn": wrn_cfg, "transformer": tr_cfg, "quick": quick,
+                     "timed": timed_cfg}  # fmt: skip
     out["table_wrn"] = _table(wrn, "baseline_fp32", PAPER_WRN_BASELINE_MB)
     out["table_transformer"] = _table(tr, "transformer_baseline_fp32", None)
     combined, tcombined = "fp16_checkpoint_micro10_sparse30", "transformer_fp16_checkpoint_micro250"
@@ -319,13 +423,33 @@ def run_memory(quick: bool) -> dict:
             "wrn_combined_checkpoint3_reduction": _ratio(wrn, "baseline_fp32", combined3, key),
             "transformer_reduction": _ratio(tr, "transformer_baseline_fp32", tcombined, key),
         }
+        for row in ("fp16_checkpoint_micro50_sparse30", "fp16_checkpoint_micro100_sparse30"):
+            goals[key][row + "_reduction"] = _ratio(wrn, "baseline_fp32", row, key)
+        goals[key]["wrn_best_reduction"] = max(
+            (v for k, v in goals[key].items() if k.startswith(("wrn_comb", "fp16_")) and v),
+            default=None,
+        )
         for name, goal in (
             ("wrn_combined_reduction", 60.7),
             ("wrn_combined_checkpoint3_reduction", 60.7),
+            ("wrn_best_reduction", 60.7),
             ("transformer_reduction", 8.7),
         ):
             value = goals[key][name]
             goals[key][name + "_met"] = None if value is None else value >= goal
+    # The report's predicted peak (what is live at the peak plus XLA's packing, both read
+    # from its buffer assignment) against the compiled peak, over every row; and what the
+    # live buffers alone would miss.
+    rows = [r for r in (*wrn.values(), *tr.values()) if r.get("predicted")]
+    goals["total"]["report_max_relative_error"] = max(
+        (abs(r["predicted"] - r["total"]) / r["total"] for r in rows), default=None
+    )
+    goals["total"]["report_max_relative_error_met"] = (
+        None if not rows else goals["total"]["report_max_relative_error"] <= 0.10
+    )
+    goals["total"]["live_max_relative_shortfall"] = max(
+        ((r["total"] - r["live_at_peak"]) / r["total"] for r in rows), default=None
+    )
     out["goals"] = goals
     return out
 
@@ -389,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         spec = json.loads(args.worker)
-        fn = worker_wrn if spec["kind"] == "wrn" else worker_transformer
+        fn = {"wrn": worker_wrn, "time": worker_time}.get(spec["kind"], worker_transformer)
         print("RESULT " + json.dumps(fn(spec)), flush=True)
         return 0
     out = Path(args.out)

@@ -147,9 +147,9 @@ def step_report(
     if step.accumulate_dtype.itemsize == 2:
         notes.append(
             f"Gradients in {step.accumulate_dtype.name} (accumulate_dtype): each micro-batch's "
-            "gradient and the accumulator take 2 bytes per parameter; the float32 gradient of "
-            "the whole batch is formed after the last micro-batch, when the activations are "
-            "gone (in the compiled peak, not in the parts)."
+            "gradient and the accumulator take 2 bytes per parameter; the update reads the "
+            "accumulator as it is, converting each value to float32 where it is used (no "
+            "float32 copy of the gradient is stored)."
         )
     if twin is not None:
         accelerator = twin.peak_bytes - twin.sizes["activations"] + sizes["activations"]

@@ -56,8 +56,9 @@ def half_state(
     state (8 bytes), so the result is deterministic and resumes from a checkpoint.
 
     Memory: half of the optimizer state (Adam: from 8 to 4 bytes per parameter). Time: two
-    casts of the state per update, and one random number per state value with stochastic
-    rounding.
+    casts of the state per update, and with stochastic rounding a few integer operations per
+    state value (a counter-based hash, computed inside the rounding pass: no random array is
+    stored).
 
     Args:
         inner: any optax optimizer.
