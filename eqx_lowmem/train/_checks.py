@@ -206,8 +206,14 @@ def check_model_accepts(step_fn: Step, loss, state: TrainState, stream: DataStre
         return call_loss(loss, model, batch, model_state=model_state, key=key, policy=policy)
 
     specs = tuple(jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in first)
+    # Whole arrays, as the loss sees them inside the step (FSDP gathers them there; on a
+    # mesh with Explicit axes the state's arrays are typed as sharded).
+    model, model_state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x,
+        (state.model, state.model_state),
+    )
     try:
-        eqx.filter_eval_shape(trace, state.model, state.model_state, specs, jr.PRNGKey(0))
+        eqx.filter_eval_shape(trace, model, model_state, specs, jr.PRNGKey(0))
     except Exception as e:
         shapes = ", ".join(f"{tuple(s.shape)} {s.dtype}" for s in specs)
         raise ValueError(

@@ -216,7 +216,7 @@ class Trainer:
         self._model = model
         self._model_state = model_state
         self.history: dict[str, list[float]] = {"train_loss": []}
-        self._eval_fn = eval_function(loss, self.step_fn.policy, jit=compile)
+        self._eval_fn = eval_function(loss, self.step_fn.policy, jit=compile, mesh=mesh)
 
     @property
     def model(self) -> Any:
