@@ -125,3 +125,20 @@ def concrete(x: Any) -> np.ndarray | None:
         return np.asarray(x)
     except jax.errors.TracerArrayConversionError:
         return None
+
+
+def ids_outside(ids: Any, size: int | None) -> tuple[str, str] | None:
+    """Where `ids` are known here (`concrete`) and some lie outside `[0, size)` (below 0
+    for `size` None): `("from <min> to <max>", "<n> are outside (first at index <i>:
+    <id>)")`. None when they all lie inside, are not integers, or are traced."""
+    a = concrete(ids)
+    if a is None or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
+        return None
+    lo, hi = int(a.min()), int(a.max())
+    if lo >= 0 and (size is None or hi < size):
+        return None
+    outside = (a < 0) if size is None else (a < 0) | (a >= size)
+    bad = np.flatnonzero(outside)
+    first = np.unravel_index(bad[0], a.shape)
+    at = tuple(int(i) for i in first)
+    return f"from {lo} to {hi}", f"{bad.size} are outside (first at index {at}: {int(a[first])})"
