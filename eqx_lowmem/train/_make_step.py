@@ -73,7 +73,8 @@ def make_step(
             the micro-batches in order: batch statistics are those of each micro-batch,
             and running averages are updated once per micro-batch (Sohoni et al., 2019,
             Section 3.3: micro-batching changes what BatchNorm normalises over).
-        mesh: a `jax.sharding.Mesh` for data parallelism: the batch is split over
+        mesh: a `jax.sharding.Mesh` for data parallelism (`jax.make_mesh((n,),
+            ("data",))`, whose axes are Explicit, or Auto axes): the batch is split over
             `data_axis`, each device accumulates its micro-batches, and the gradients are
             combined across devices once per update. Across several processes (hosts), call
             `jax.distributed.initialize` first, build the mesh over `jax.devices()` and pass
@@ -86,7 +87,10 @@ def make_step(
             dimension the axis size divides (replicated when none does): memory 1/n of them
             per device, plus one block's gathered weights at a time in scanned stacks;
             communication: an all-gather of each weight per micro-batch forward (and again in
-            the recomputation of the backward) and a reduce-scatter of its gradient.
+            the recomputation of the backward) and a reduce-scatter of its gradient. On
+            Explicit axes the state's arrays are typed as sharded (the step runs with
+            every axis Auto inside); gather a model before calling it yourself:
+            `jax.device_put(model, NamedSharding(mesh, P()))`.
         after_update: a hook `after_update(state, info) -> state`, run inside the jitted
             step on every step, after the update (or its skip, for a non-finite gradient),
             with an `UpdateInfo`: the mean gradient, a fresh key, `grad_fn` for another
@@ -187,14 +191,15 @@ def _check_args(accumulate, optimizer, mesh, data_axis, shard, after_update) -> 
     if shard != "data" and mesh is None:
         raise ValueError(
             f"shard={shard!r} shards over a mesh's {data_axis!r} axis: pass mesh= (e.g. "
-            "jax.sharding.Mesh(jax.devices(), ('data',)))."
+            "jax.make_mesh((jax.device_count(),), ('data',)))."
         )
     if after_update is not None and not callable(after_update):
         raise TypeError(f"after_update must be callable, got {type(after_update).__name__}.")
     if jax.process_count() > 1 and mesh is None:
         raise ValueError(
             f"this is one of {jax.process_count()} processes but make_step has no mesh; "
-            "pass mesh=jax.sharding.Mesh(jax.devices(), ('data',)) so they train together."
+            "pass mesh=jax.make_mesh((jax.device_count(),), ('data',)) so they train "
+            "together."
         )
 
 
