@@ -21,11 +21,13 @@ def check_int(
     if value is None and none:
         return
     also = "None or " if none else ""
-    expected = f"expected {also}an int >= {minimum}" + (f", {alternative}" if alternative else "")
+    expected = f"{name} must be {also}an int >= {minimum}" + (
+        f" ({alternative})" if alternative else ""
+    )
     if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}={value!r} is a {type(value).__name__}; {expected}.")
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}.")
     if value < minimum:
-        raise ValueError(f"{name}={value!r}; {expected}.")
+        raise ValueError(f"{expected}, got {value!r}.")
 
 
 def check_seconds(name: str, value: Any) -> None:
@@ -36,11 +38,11 @@ def check_seconds(name: str, value: Any) -> None:
     """
     if value is None:
         return
-    expected = "expected None or a number of seconds > 0"
+    expected = f"{name} must be None or a number of seconds > 0"
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-        raise TypeError(f"{name}={value!r} is a {type(value).__name__}; {expected}.")
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}.")
     if not value > 0:
-        raise ValueError(f"{name}={value!r}; {expected}.")
+        raise ValueError(f"{expected}, got {value!r}.")
 
 
 def _described(value: Any) -> str:

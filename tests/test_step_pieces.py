@@ -270,6 +270,31 @@ def test_reusing_a_donated_state_is_a_clear_error(getkey):
         step(state, batch)
 
 
+@pytest.mark.parametrize(
+    "key, said",
+    [
+        (0, r"key=0 is an int; key must be a JAX PRNG key: pass key=jr.PRNGKey\(0\)"),
+        (jnp.zeros(5, jnp.uint32), r"got an array of dtype uint32 and shape \(5,\)"),
+        (jr.split(jr.key(0), 3), r"one JAX PRNG key \(shape \(\)\), got keys of shape \(3,\)"),
+        (np.zeros(2, np.uint32), r"key is a numpy array.*jnp.asarray\(key\)"),
+    ],
+)
+def test_step_init_and_fit_refuse_the_same_keys_alike(getkey, key, said):
+    """One rule for PRNG keys (`eqx_lowmem._checks.check_prng_key`): `Step.init` took any
+    uint32 array and a batch of keys, which the Trainer's fit refused or took differently."""
+    model = el.nn.mlp([2, 1], key=getkey())
+    step = el.train.make_step(el.train.mse, optax.sgd(0.1))
+    trainer = el.train.Trainer(model, el.train.mse, optax.sgd(0.1), progress=False)
+    x = np.ones((4, 2), np.float32)
+    for call in (lambda: step.init(model, key=key),
+                 lambda: trainer.fit(x, x[:, :1], epochs=1, micro_batch=2, key=key)):  # fmt: skip
+        with pytest.raises(TypeError, match=said):
+            call()
+    assert trainer.state is None  # refused before any work
+    for good in (jr.PRNGKey(0), jr.key(0)):
+        step.init(model, key=good)
+
+
 def test_bad_models_and_keys_are_refused_before_work(getkey):
     step = el.train.make_step(el.train.mse, optax.sgd(0.1))
     model = el.nn.mlp([2, 1], key=getkey())

@@ -123,7 +123,7 @@ def test_bad_input_fails_before_any_work(tmp_path, call, match):
 
 
 def test_accumulate_must_be_positive():
-    with pytest.raises(ValueError, match="accumulate=0"):
+    with pytest.raises(ValueError, match="accumulate must be an int >= 1 .*got 0"):
         el.train.Trainer(
             el.nn.mlp([2, 1], key=jr.PRNGKey(0)), el.train.mse, optax.sgd(0.1), accumulate=0
         )
@@ -286,13 +286,13 @@ def _no_key_model(x):
         (dict(checkpoint_dir="FILE"), None, ValueError, "is a file"),
         # (jaxtyping and beartype, on in the tests, see some first: their errors also name
         # the argument, the value and what was expected.)
-        ({}, dict(key=0), TypeError, "key must be a PRNG key|parameter 'key'"),
-        ({}, dict(micro_batch=True), ValueError, "micro_batch must be an int"),
+        ({}, dict(key=0), TypeError, r"key=0 is an int.*jr.PRNGKey\(0\)|parameter 'key'"),
+        ({}, dict(micro_batch=True), TypeError, "micro_batch must be an int"),
         ({}, dict(micro_batch=2.5), (TypeError, ValueError), "micro_batch must be|'micro_batch'"),
         ({}, dict(epochs=None), ValueError, "needs epochs=... or updates="),
         ({}, dict(eval_every=2), ValueError, "eval_every needs eval_data"),
         (dict(keep_checkpoints=0), None, ValueError, "keep_checkpoints must be"),
-        (dict(max_consecutive_skips=True), None, ValueError, "max_consecutive_skips must be"),
+        (dict(max_consecutive_skips=True), None, TypeError, "max_consecutive_skips must be"),
         (dict(checkpoint_seconds=-1), None, ValueError, "checkpoint_seconds must be"),
         (dict(progress="yes"), None, (TypeError, ValueError), "progress must be|'progress'"),
         (dict(config={"f": object()}), None, ValueError, "JSON-serialisable"),

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from .._checks import check_int
 from ..precision._loss_scale import DynamicLossScale, dynamic_loss_scale
 from ..precision._optim import half_state
 from ..precision._policy import Policy, get_policy
@@ -169,11 +170,7 @@ def make_step(
 
 
 def _check_args(accumulate, optimizer, mesh, data_axis, shard, after_update) -> None:
-    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-        raise ValueError(
-            f"accumulate={accumulate!r}; expected an int >= 1 (the number of "
-            "micro-batches each batch is split into)."
-        )
+    check_int("accumulate", accumulate, 1, alternative="micro-batches per batch")
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
             f"optimizer must be an optax.GradientTransformation, got "

@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jaxtyping import Array, Int, PRNGKeyArray
 
+from .._checks import check_prng_key
 from ..precision._loss_scale import DynamicLossScale
 from ._loss import accepts_key
 
@@ -115,11 +116,7 @@ def check_init(model: Any, key: Any, model_state: Any, *, has_state: bool, loss_
             "make_step(..., has_state=True) needs the model's state: "
             "init(model, key=key, model_state=state), e.g. from eqx.nn.make_with_state."
         )
-    if not (is_key(key) or (isinstance(key, jax.Array) and key.dtype == jnp.uint32)):
-        raise TypeError(
-            f"key must be a JAX PRNG key (jr.PRNGKey(0) or jr.key(0)), got "
-            f"{type(key).__name__} {key!r}."
-        )
+    check_prng_key("key", key)  # what the Trainer's fit accepts
     _check_leaves(model)
     dropout = _dropout_rates(model)
     if dropout and not accepts_key(loss_fn):

@@ -13,7 +13,6 @@ from typing import Any, Literal
 import jax.random as jr
 import optax
 from jax.sharding import Mesh
-from jaxtyping import PRNGKeyArray
 
 from ..data import DataStream
 from ..precision._loss_scale import DynamicLossScale
@@ -244,7 +243,7 @@ class Trainer:
         epochs: int | None = None,
         updates: int | None = None,
         micro_batch: int | None = None,
-        key: PRNGKeyArray,
+        key: Any,
         shuffle: bool = True,
         stream: DataStream | None = None,
         eval_data: tuple | DataStream | None = None,
@@ -262,8 +261,9 @@ class Trainer:
                 language models; with `epochs` too, whichever comes first.
             micro_batch: samples per micro-batch (an update uses `accumulate` of them). With
                 a stream: None or the stream's `batch_size`, which is the micro-batch.
-            key: PRNG key: the data order (with `shuffle`), dropout and stochastic
-                rounding derive from it.
+            key: PRNG key (`jr.PRNGKey(0)` or `jr.key(0)`, as `Step.init` takes; checked
+                here with a clear error): the data order (with `shuffle`), dropout and
+                stochastic rounding derive from it.
             shuffle: shuffle the arrays each epoch (a global permutation).
             stream: a `DataStream` to train from instead of arrays; its batches are the
                 micro-batches, `accumulate` of them per update.
