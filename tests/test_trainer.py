@@ -1,7 +1,9 @@
 """The Trainer: the guide's examples, streams, evaluation, bad input, non-finite losses."""
 
+import json
 import re
 import threading
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -261,6 +263,7 @@ def test_a_rerun_with_other_settings_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"different optimizer .*-0\.001 then, -0\.003 now") as e:
         _trainer(checkpoint_dir=tmp_path, optimizer=optax.adam(3e-3)).fit(X, y, **fit)
     assert "\n" not in str(e.value) and "new checkpoint_dir" in str(e.value)
+    assert "scale.step_size was -0.001" in str(e.value)  # which hyperparameter differs
     with pytest.raises(ValueError, match="different micro_batch .*8 then, 16 now"):
         _trainer(checkpoint_dir=tmp_path, optimizer=optax.adam(1e-3)).fit(
             X, y, epochs=2, micro_batch=16, key=jr.PRNGKey(1)
@@ -274,6 +277,51 @@ def test_a_rerun_with_other_settings_is_refused_in_one_line(tmp_path):
     # The same settings resume.
     same = _trainer(checkpoint_dir=tmp_path, optimizer=optax.adam(1e-3))
     assert len(same.fit(X, y, **fit)["train_loss"]) == 2
+
+
+def test_the_optimizer_fingerprint_holds_whole_arrays_and_names_what_differs():
+    """Two schedules over 100 rates that differ in the last one only (past the 32 bytes
+    the fingerprint once kept) are different optimizers, and the refusal says where."""
+    from eqx_lowmem.train._resume import _changed, fingerprint
+
+    def scheduled(rates):
+        opt = optax.chain(optax.scale_by_adam(b1=0.8), optax.scale_by_schedule(lambda s: rates[s]))
+        return fingerprint((opt.init, opt.update))
+
+    rates = jnp.linspace(0.1, 0.2, 100)
+    same, other = scheduled(rates), scheduled(rates.at[-1].set(0.5))
+    assert same == scheduled(jnp.array(rates)) and same != other
+    said = _changed(Path("ckpt"), "optimizer", same, other)
+    shown = r"scheduled\.rates was float32\[100\] sha256:\w+ then, float32\[100\] sha256:\w+ now"
+    assert re.search(shown + r" \(at optimizer\[1\]>.*scale_by_schedule", said), said
+    b1 = {k: "0.9" if k.endswith("scale_by_adam.b1") else v for k, v in same.items()}
+    assert "scale_by_adam.b1 was 0.8 then, 0.9 now" in _changed(Path("c"), "optimizer", same, b1)
+    assert json.loads(json.dumps(same)) == same  # stored in the checkpoint's header as is
+
+
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        (lambda m: m.pop("partial"), r"'partial' \(missing\)"),
+        (lambda m: m.update(history=[1.0]), r"'history' \(a list\)"),
+        (lambda m: m["partial"].pop("weight"), r"'partial' \(without \['weight'\]\)"),
+    ],
+)
+def test_a_forged_checkpoint_header_is_named_not_a_key_error(tmp_path, edit, said):
+    from .test_checkpoint import _rewrite_header
+
+    X, y = _guide_data()
+    fit = dict(epochs=1, micro_batch=8, key=jr.PRNGKey(1))
+    _trainer(checkpoint_dir=tmp_path).fit(X, y, **fit)
+
+    def forge(raw):  # the metadata edited, the header's checksum valid
+        header = json.loads(raw)
+        edit(header["meta"])
+        return json.dumps(header).encode()
+
+    _rewrite_header(tmp_path / "checkpoint.ckpt", forge)
+    with pytest.raises(el.train.CheckpointError, match=said + ".*not written by Trainer.fit"):
+        _trainer(checkpoint_dir=tmp_path).fit(X, y, **dict(fit, epochs=2))
 
 
 def _no_key_model(x):
