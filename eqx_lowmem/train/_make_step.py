@@ -1,5 +1,6 @@
 """`make_step`: the checks of its arguments and the `Step` they configure."""
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -133,6 +134,8 @@ def make_step(
 
     Raises:
         ValueError: for `accumulate < 1`, a `data_axis` not in the mesh, an unknown `shard`.
+            TypeError: for an `after_update` that cannot be called as `(state, info)`
+            (a hook factory passed uncalled).
             The step raises for batches whose arrays differ in length or that are smaller
             than `accumulate`.
 
@@ -190,14 +193,34 @@ def _check_args(accumulate, optimizer, mesh, data_axis, shard, after_update) -> 
             f"shard={shard!r} shards over a mesh's {data_axis!r} axis: pass mesh= (e.g. "
             "jax.make_mesh((jax.device_count(),), ('data',)))."
         )
-    if after_update is not None and not callable(after_update):
-        raise TypeError(f"after_update must be callable, got {type(after_update).__name__}.")
+    if after_update is not None:
+        _check_hook(after_update)
     if jax.process_count() > 1 and mesh is None:
         raise ValueError(
             f"this is one of {jax.process_count()} processes but make_step has no mesh; "
             "pass mesh=jax.make_mesh((jax.device_count(),), ('data',)) so they train "
             "together."
         )
+
+
+def _check_hook(hook: Any) -> None:
+    """`hook` is called as `hook(state, info)`: refuse what cannot be, such as a hook
+    factory passed uncalled (`after_update=el.sparse.dsr` for `el.sparse.dsr()`)."""
+    if not callable(hook):
+        raise TypeError(f"after_update must be callable, got {type(hook).__name__}.")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(hook, "__qualname__", type(hook).__name__)
+        raise TypeError(
+            f"after_update={name} takes {signature}, but the step calls it as "
+            f"after_update(state, info). If {name} makes hooks, pass what it returns: "
+            f"after_update={name}(...) (e.g. after_update=el.sparse.dsr(period=100))."
+        ) from None
 
 
 def _loss_scale(loss_scale: Any, policy: Policy, accumulate_dtype: Any) -> DynamicLossScale | None:

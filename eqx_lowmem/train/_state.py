@@ -118,6 +118,7 @@ def check_init(model: Any, key: Any, model_state: Any, *, has_state: bool, loss_
         )
     check_prng_key("key", key)  # what the Trainer's fit accepts
     _check_leaves(model)
+    _check_trainable(model)
     dropout = _dropout_rates(model)
     if dropout and not accepts_key(loss_fn):
         where = ", ".join(f"{p} ({r})" for p, r in dropout[:3])
@@ -136,6 +137,22 @@ def _check_leaves(model: Any) -> None:
                 "a model's arrays must be numeric. Mark non-numeric data "
                 "eqx.field(static=True) or keep it outside the model."
             )
+
+
+def _check_trainable(model: Any) -> None:
+    """A model with no floating-point array would train nothing (the step differentiates
+    only those), its loss unchanged however long it runs."""
+    arrays = [x for x in jax.tree.leaves(model) if is_dynamic(x)]
+    if any(jnp.issubdtype(x.dtype, jnp.inexact) for x in arrays):
+        return
+    found = ", ".join(f"{jnp.dtype(x.dtype).name}{list(x.shape)}" for x in arrays[:4])
+    more = f" and {len(arrays) - 4} more" if len(arrays) > 4 else ""
+    raise ValueError(
+        f"the model has no floating-point arrays to train (found "
+        f"{f'{len(arrays)}: {found}{more}' if arrays else 'no arrays at all'}); the step "
+        "differentiates floating-point leaves only, so nothing would change. Make the "
+        "weights floating point (e.g. jnp.asarray(w, jnp.float32))."
+    )
 
 
 def _dropout_rates(model: Any) -> list[tuple[str, float]]:

@@ -172,8 +172,9 @@ class Step:
             model_state: `eqx.nn.State` of a stateful model (`has_state=True`).
 
         Raises:
-            ValueError: without `model_state` for `has_state=True`; for a model with dropout
-                and a loss that takes no `key` (dropout would never apply).
+            ValueError: without `model_state` for `has_state=True`; for a model with no
+                floating-point array (nothing to train); for a model with dropout and a
+                loss that takes no `key` (dropout would never apply).
             TypeError: for a model leaf that is a non-numeric array, or a key that is not one.
         """
         c = self.config
