@@ -324,14 +324,22 @@ def test_a_forged_checkpoint_header_is_named_not_a_key_error(tmp_path, edit, sai
         _trainer(checkpoint_dir=tmp_path).fit(X, y, **dict(fit, epochs=2))
 
 
-def _no_key_model(x):
-    return x[:1]
+class _NoKeyModel(eqx.Module):
+    """A model whose `__call__` takes no `key`."""
+
+    w: jax.Array
+
+    def __call__(self, x):
+        return x[:1] * self.w
 
 
 @pytest.mark.parametrize(
     "make, call, error, match",
     [
         (dict(checkpoint_dir="FILE"), None, ValueError, "is a file"),
+        # Under /proc nothing can be created: named, before any work.
+        (dict(checkpoint_dir="/proc/eqx_lowmem_run"), None, ValueError,
+         r"checkpoint_dir='/proc/eqx_lowmem_run' cannot be created: .*runs/run1"),  # fmt: skip
         # (jaxtyping and beartype, on in the tests, see some first: their errors also name
         # the argument, the value and what was expected.)
         ({}, dict(key=0), TypeError, r"key=0 is an int.*jr.PRNGKey\(0\)|parameter 'key'"),
@@ -345,7 +353,7 @@ def _no_key_model(x):
         (dict(progress="yes"), None, (TypeError, ValueError), "progress must be|'progress'"),
         (dict(config={"f": object()}), None, ValueError, "JSON-serialisable"),
         # The loss passes a key to the model, which takes none: found before the first step.
-        (dict(model=_no_key_model), {}, ValueError, "cannot be applied"),
+        (dict(model=_NoKeyModel(jnp.ones(1))), {}, ValueError, "cannot be applied"),
     ],
 )
 def test_more_bad_input_fails_before_any_work(tmp_path, make, call, error, match):

@@ -202,7 +202,17 @@ def claim_directory(checkpoint_dir: Path | None):
     process 0 of a multi-process run: the others share its directory)."""
     if checkpoint_dir is None or jax.process_index() != 0:
         return contextlib.nullcontext()
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    fix = "Pass a directory this process can create and write, e.g. checkpoint_dir='runs/run1'."
+    try:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # under /proc or /sys, a read-only filesystem, no permission
+        where = "" if e.filename in (None, str(checkpoint_dir)) else f" ({e.filename})"
+        raise ValueError(
+            f"checkpoint_dir={str(checkpoint_dir)!r} cannot be created: "
+            f"{e.strerror or e}{where}. {fix}"
+        ) from e
+    if not os.access(checkpoint_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} is not writable. {fix}")
     lock = lock_directory(checkpoint_dir)
     clean_stale_temporaries(checkpoint_dir)
     return lock
