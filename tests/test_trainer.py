@@ -193,6 +193,25 @@ def _trainer(**kwargs):
     return el.train.Trainer(model, kwargs.pop("loss", el.train.mse), optimizer, **kwargs)
 
 
+def test_a_model_read_before_a_second_fit_stays_usable():
+    X, y = _guide_data()
+    trainer = _trainer()
+    fit = dict(epochs=1, micro_batch=8, key=jr.PRNGKey(1), shuffle=False)
+    trainer.fit(X, y, **fit)
+    kept = trainer.model
+    before = jax.vmap(kept)(X)
+    trainer.fit(X, y, **fit)
+    # The steps of the second fit trained a copy; the model read is intact (its buffers
+    # were donated before: "Array has been deleted").
+    np.testing.assert_array_equal(jax.vmap(kept)(X), before)
+    internal = trainer.state.model  # not handed out by `model`: donated by the next fit
+    assert not np.array_equal(jax.vmap(internal)(X), before)  # the copy trained on
+    trainer.fit(X, y, **fit)
+    # A deleted model handed back to the library is named as such.
+    with pytest.raises(ValueError, match=r"was deleted: a training step donated.*jnp.copy"):
+        el.train.make_step(el.train.mse, optax.sgd(0.1)).init(internal, key=jr.PRNGKey(0))
+
+
 def test_the_model_is_held_once_and_a_second_fit_continues():
     X, y = _guide_data()
     once = _trainer()

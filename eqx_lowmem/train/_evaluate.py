@@ -44,11 +44,12 @@ def evaluate(trainer, data: tuple | DataStream, micro_batch: int | None = None) 
     """`Trainer.evaluate`: the mean loss over every sample of `data`."""
     stream = data if isinstance(data, DataStream) else make_eval_stream(data, micro_batch or 256)
     assert stream is not None
-    model = eqx.nn.inference_mode(trainer.model)
+    held, model_state = trainer._held()
+    model = eqx.nn.inference_mode(held)
     total = weight = 0.0
     for batch in stream:
         batch, weights = pad([tuple(jnp.asarray(x) for x in batch)], stream.batch_size)
-        s, w = trainer._eval_fn(model, trainer.model_state, batch, weights)
+        s, w = trainer._eval_fn(model, model_state, batch, weights)
         total += float(s)
         weight += float(w)
     if weight <= 0:

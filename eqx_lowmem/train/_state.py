@@ -131,6 +131,13 @@ def check_init(model: Any, key: Any, model_state: Any, *, has_state: bool, loss_
 
 def _check_leaves(model: Any) -> None:
     for path, x in jax.tree_util.tree_leaves_with_path(model):
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise ValueError(
+                f"model leaf {jax.tree_util.keystr(path)} was deleted: a training step "
+                "donated its buffer (a model taken from a TrainState that a later step or "
+                "fit consumed, such as trainer.state.model). Keep a copy before training "
+                "on: model = jax.tree.map(jnp.copy, model) (trainer.model stays usable)."
+            )
         if isinstance(x, np.ndarray) and x.dtype.kind in "USOV":
             raise TypeError(
                 f"model leaf {jax.tree_util.keystr(path)} is a numpy array of dtype {x.dtype}; "
