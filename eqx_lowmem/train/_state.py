@@ -129,9 +129,17 @@ def check_init(model: Any, key: Any, model_state: Any, *, has_state: bool, loss_
         )
 
 
+def _deleted(x: Any) -> bool:
+    """A JAX array whose buffer is gone (donated to a step); a traced one has none."""
+    try:
+        return isinstance(x, jax.Array) and x.is_deleted()
+    except jax.errors.ConcretizationTypeError:  # inside eqx.filter_eval_shape(step.init)
+        return False
+
+
 def _check_leaves(model: Any) -> None:
     for path, x in jax.tree_util.tree_leaves_with_path(model):
-        if isinstance(x, jax.Array) and x.is_deleted():
+        if _deleted(x):
             raise ValueError(
                 f"model leaf {jax.tree_util.keystr(path)} was deleted: a training step "
                 "donated its buffer (a model taken from a TrainState that a later step or "
