@@ -23,7 +23,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ..nn._layers import is_stack
 
@@ -38,17 +38,20 @@ def is_inexact_like(x: Any) -> bool:
     return is_arraylike(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def has_explicit_axes(mesh: Mesh | None) -> bool:
+def has_explicit_axes(mesh: Mesh | AbstractMesh | None) -> bool:
     """Whether `mesh` has an axis of type Explicit (as `jax.make_mesh` makes by default)."""
     return mesh is not None and any(t == AxisType.Explicit for t in mesh.axis_types)
 
 
-def auto_mesh(mesh: Mesh) -> Mesh:
-    """`mesh` with every axis Auto: the same devices and axis names. The mesh the step
-    names inside `in_auto_axes` (its `shard_map` and sharding constraints)."""
+def auto_mesh(mesh: Mesh) -> Mesh | AbstractMesh:
+    """The mesh the step names inside `in_auto_axes` (its `shard_map` and sharding
+    constraints): `mesh` itself without Explicit axes; otherwise the abstract mesh of
+    `in_auto_axes`'s context, every axis Auto. Abstract, not a second concrete mesh: a
+    program whose arguments sit on one concrete mesh and whose constraints name another
+    does not lower where a primitive needs the devices (a callback)."""
     if not has_explicit_axes(mesh):
         return mesh
-    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+    return mesh.abstract_mesh.update_axis_types({a: AxisType.Auto for a in mesh.axis_names})
 
 
 def in_auto_axes(fn: Any, mesh: Mesh | None, out_shardings: Any) -> Any:
@@ -171,7 +174,7 @@ def gather_layer(axis: str):
     return hook
 
 
-def state_shardings(state: Any, mesh: Mesh, axis: str, shard: str) -> Any:
+def state_shardings(state: Any, mesh: Mesh | AbstractMesh, axis: str, shard: str) -> Any:
     """A `NamedSharding` per array leaf of a `TrainState` (None elsewhere): replicated with
     `shard="data"`; with `"fsdp"` the parameters and optimizer state split as `fsdp_layout`
     says, the rest replicated."""

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, PyTree
 
 from ..precision._loss_scale import DynamicLossScale
@@ -73,7 +73,7 @@ class _Config:
     policy: Policy
     loss_scale: DynamicLossScale | None
     has_state: bool
-    mesh: Mesh | None
+    mesh: Mesh | AbstractMesh | None  # abstract in the jitted body's config (`_inner`)
     data_axis: str
     shard: str
     after_update: Callable[[TrainState, UpdateInfo], TrainState] | None
