@@ -363,9 +363,9 @@ def test_processes_split_each_global_batch(kind, n, local_batch, processes, buff
 
 def test_errors_name_the_argument(tmp_path):
     x = np.arange(6)
-    with pytest.raises(ValueError, match="batch_size=0"):
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 0"):
         DataStream((x,), 0)
-    with pytest.raises(ValueError, match="shuffle_buffer=0"):
+    with pytest.raises(ValueError, match="shuffle_buffer must be None or an int >= 1"):
         DataStream((x,), 2, shuffle_buffer=0, key=0)
     with pytest.raises(ValueError, match="shuffle_buffer=4 needs a key"):
         DataStream((x,), 2, shuffle_buffer=4)

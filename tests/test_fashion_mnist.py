@@ -45,6 +45,14 @@ def test_bad_files_and_arguments(tmp_path):
         f.write(b"\x00\x00\x0d\x01" + np.asarray([1], ">u4").tobytes() + b"abcd")
     with pytest.raises(ValueError, match="type code 0x0d"):
         read_idx(bad)
+    # Garbage and a gzip cut short: named, not a bare BadGzipFile or EOFError.
+    (tmp_path / "garbage.gz").write_bytes(b"not gzip at all")
+    with pytest.raises(ValueError, match=r"garbage.gz is not a readable gzip file.*reinstall"):
+        read_idx(tmp_path / "garbage.gz")
+    _write_idx(tmp_path / "cut.gz", np.zeros((100, 28, 28), np.uint8))
+    (tmp_path / "cut.gz").write_bytes((tmp_path / "cut.gz").read_bytes()[:60])
+    with pytest.raises(ValueError, match=r"cut.gz is not a readable gzip file \(EOFError"):
+        read_idx(tmp_path / "cut.gz")
     _write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", np.zeros((4, 28, 28), np.uint8))
     _write_idx(tmp_path / "t10k-labels-idx1-ubyte.gz", np.zeros((3,), np.uint8))
     with pytest.raises(ValueError, match="do not match"):

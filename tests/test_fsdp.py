@@ -1,7 +1,11 @@
 """Parameters and optimizer state sharded over devices (FSDP / ZeRO-3): memory, collectives,
 equality with one device, checkpoints. The checks run in real subprocesses with 8 host
 devices (each on the first n of them), section by section, one process for the default
-suite's sections and one for the slow tests'; each test asserts its section."""
+suite's sections and one for the slow tests'; each test asserts its section.
+
+Meshes of every kind a user builds: `jax.make_mesh` with Explicit axes (its default, as the
+README builds it), with Auto axes (`axis_types=`), and `jax.sharding.Mesh`; each section
+names its kind."""
 
 import json
 import os
@@ -18,15 +22,22 @@ PRELUDE = textwrap.dedent(
     """
     import json, re, sys, traceback
     import jax, jax.numpy as jnp, jax.random as jr, numpy as np, optax, equinox as eqx
-    from jax.sharding import Mesh
+    from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
     from jaxtyping import install_import_hook
     with install_import_hook("eqx_lowmem", "beartype.beartype"):  # as the suite checks
         import eqx_lowmem as el
 
     jax.config.update("jax_numpy_dtype_promotion", "strict")
 
-    def mesh(n):
-        return Mesh(np.array(jax.devices()[:n]), ("data",))
+    def mesh(n, kind="explicit"):
+        devices = jax.devices()[:n]
+        if kind == "explicit":  # jax.make_mesh's default axis type, as the README builds it
+            made = jax.make_mesh((n,), ("data",), devices=devices)
+            assert made.axis_types == (AxisType.Explicit,)
+            return made
+        if kind == "auto":
+            return jax.make_mesh((n,), ("data",), axis_types=(AxisType.Auto,), devices=devices)
+        return Mesh(np.array(devices), ("data",))
 
     def lm(remat=True):
         return el.nn.CausalLM(vocab_size=32, max_seq=16, n_layers=2, d_model=32, n_heads=4,
@@ -68,15 +79,15 @@ def loss(model, x):
     return jnp.mean(jax.vmap(model)(x) ** 2, axis=(1, 2))
 batch = (jax.ShapeDtypeStruct((16, 16, 64), jnp.float32),)
 result = {}
-for n in (2, 4, 8):
-    for shard in ("data", "fsdp"):
-        step = el.train.make_step(loss, optax.adam(1e-3), mesh=mesh(n), shard=shard)
+for n, shard, kind in [(n, shard, "explicit") for n in (2, 4, 8) for shard in ("data", "fsdp")
+                       ] + [(4, "fsdp", "Mesh")]:
+        step = el.train.make_step(loss, optax.adam(1e-3), mesh=mesh(n, kind), shard=shard)
         state = eqx.filter_eval_shape(step.init, enc, key=jr.PRNGKey(1))
         compiled = step.lower(state, batch).compile(compiler_options=USERS_COMPILER)
         m = compiled.memory_analysis()
         hlo = compiled.as_text()
         reduces = re.findall(r"= (.*?) all-reduce\\(", hlo)
-        result[f"{n}/{shard}"] = {
+        result[f"{n}/{shard}" + ("" if kind == "explicit" else f"/{kind}")] = {
             "arguments": m.argument_size_in_bytes,
             "temp": m.temp_size_in_bytes,
             "all_reduce_shapes": reduces,
@@ -87,8 +98,9 @@ for n in (2, 4, 8):
 )
 
 
-def _equal(precision: str, shards: tuple[str, ...] = ("fsdp",)) -> str:
-    """Five updates on one device, and on 4 devices with each of `shards`: `result[shard]`."""
+def _equal(precision: str, kind: str, shards: tuple[str, ...] = ("fsdp",)) -> str:
+    """Five updates on one device, and on 4 devices (a mesh of `kind`) with each of
+    `shards`: `result[shard]`, with the compilations the sharded step made."""
     return f"""
 opt = optax.sgd(0.1, momentum=0.9)
 def train(step):
@@ -104,21 +116,21 @@ moved = max(float(np.max(np.abs(a - b))) for a, b in
                             .init(lm(), key=jr.PRNGKey(2)))))
 result = {{}}
 for shard in {shards!r}:
-    four, loss_four = train(el.train.make_step(el.train.next_token_loss, opt, accumulate=4,
-                                               precision="{precision}", mesh=mesh(4),
-                                               shard=shard))
+    sharded = el.train.make_step(el.train.next_token_loss, opt, accumulate=4,
+                                 precision="{precision}", mesh=mesh(4, "{kind}"), shard=shard)
+    four, loss_four = train(sharded)
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one, four))
     result[shard] = {{"diff": diff, "scale": scale, "moved": moved,
-                      "loss": [loss_one, loss_four]}}
+                      "loss": [loss_one, loss_four], "compiles": sharded._jitted._cache_size()}}
 """
 
 
 def _checkpoint(directory: str) -> str:
     return f"""
 opt = optax.sgd(0.1, momentum=0.9)
-def make(n):
+def make(n, kind="explicit"):
     return el.train.make_step(el.train.next_token_loss, opt, accumulate=2,
-                              mesh=mesh(n), shard="fsdp")
+                              mesh=mesh(n, kind), shard="fsdp")
 step = make(4)
 state = step.init(lm(), key=jr.PRNGKey(2))
 for i in range(5):
@@ -139,7 +151,7 @@ for i in range(2, 5):
     resumed, _ = step(resumed, (tokens(seed=i),))
 exact = all(np.array_equal(a, b) for a, b in zip(straight, params(resumed)))
 
-step2 = make(2)  # a different device count: re-sharded on load
+step2 = make(2, "Mesh")  # another device count and kind of mesh: re-sharded on load
 other, _ = el.train.load_checkpoint(path, step2.init(lm(), key=jr.PRNGKey(9)))
 for i in range(2, 5):
     other, _ = step2(other, (tokens(seed=i),))
@@ -184,18 +196,60 @@ catch("stateful_odd_batch", stateful)
 result = errors
 """
 
+# The issue's example: FSDP on a jax.make_mesh mesh failed before the first update.
+SMALL_TRAINER = """
+X = np.asarray(jr.normal(jr.PRNGKey(0), (32, 4)))
+y = np.asarray(jr.randint(jr.PRNGKey(1), (32,), 0, 3))
+def small(**kwargs):
+    trainer = el.train.Trainer(el.nn.mlp([4, 16, 3], key=jr.PRNGKey(0)),
+                               el.train.cross_entropy, optax.adam(1e-2), progress=False,
+                               **kwargs)
+    trainer.fit(X, y, micro_batch=8, epochs=2, key=jr.PRNGKey(2))
+    return params(trainer.state), trainer.evaluate((X, y))
+one, eval_one = small()
+two, eval_two = small(mesh=mesh(2), shard="fsdp")
+result = {"diff": max(float(np.max(np.abs(a - b))) for a, b in zip(one, two)),
+          "eval_diff": abs(eval_one - eval_two)}
+"""
+
 TRAINER = """
-def fit(**kwargs):
-    trainer = el.train.Trainer(lm(), el.train.next_token_loss,
-                               optax.sgd(0.1, momentum=0.9), accumulate=2,
-                               progress=False, **kwargs)
-    history = trainer.fit(np.asarray(tokens(32)), epochs=2, micro_batch=4,
-                          key=jr.PRNGKey(3))
-    return params(trainer.state), history["train_loss"]
-one, loss_one = fit()
-two, loss_two = fit(mesh=mesh(2), shard="fsdp")
-diff = max(float(np.max(np.abs(a - b))) for a, b in zip(one, two))
-result = {"diff": diff, "loss": [loss_one, loss_two]}
+import contextlib
+held = np.asarray(tokens(8, seed=7))
+def fit(in_context=False, resumed=False, **kwargs):
+    def make():
+        return el.train.Trainer(lm(), el.train.next_token_loss,
+                                optax.sgd(0.1, momentum=0.9), accumulate=2,
+                                progress=False, **kwargs)
+    context = jax.set_mesh(kwargs["mesh"]) if in_context else contextlib.nullcontext()
+    with context:
+        for epochs in [1, 2] if resumed else [2]:  # resumed: stopped after one epoch, rerun
+            trainer = make()
+            history = trainer.fit(np.asarray(tokens(32)), epochs=epochs, micro_batch=4,
+                                  key=jr.PRNGKey(3))
+        evaluated = trainer.evaluate((held,))
+    return params(trainer.state), history["train_loss"], evaluated, trainer
+
+one, loss_one, eval_one, _ = fit()
+result = {"loss": [loss_one], "diff": {}, "eval_diff": {}}
+for name, kwargs in {
+    # Resumed halfway from its checkpoint (orbax, FSDP's default format).
+    "explicit": dict(mesh=mesh(2), shard="fsdp", resumed=True, checkpoint_dir=DIRECTORY),
+    "explicit/set_mesh": dict(mesh=mesh(2), shard="fsdp", in_context=True),
+    "explicit/data": dict(mesh=mesh(2), shard="data"),
+}.items():
+    got, loss, evaluated, trainer = fit(**kwargs)
+    result["loss"].append(loss)
+    result["diff"][name] = max(float(np.max(np.abs(a - b))) for a, b in zip(one, got))
+    result["eval_diff"][name] = abs(evaluated - eval_one)
+    if name == "explicit":
+        # The README's recipe for a model of sharded type: gather it, then call it.
+        m = kwargs["mesh"]
+        whole = jax.device_put(trainer.model, NamedSharding(m, P()))
+        logits = jax.vmap(whole)(jnp.asarray(held[:, :-1]))
+        result["typed"] = [str(jax.typeof(x)) for x in jax.tree.leaves(trainer.model)
+                           if eqx.is_array(x)][:3]
+        result["logits_finite"] = bool(jnp.isfinite(logits).all())
+        result["resumed_from"] = trainer.checkpoint_path.name
 """
 
 
@@ -224,8 +278,9 @@ def quick():
     """The default suite's sections: one process, two small compiles."""
     return _run(
         {
-            "equal/float32": _equal("float32", shards=("fsdp", "data")),
+            "equal/float32": _equal("float32", "explicit", shards=("fsdp", "data")),
             "bad_input": BAD_INPUT,
+            "small_trainer": SMALL_TRAINER,
         }
     )
 
@@ -237,9 +292,9 @@ def sections(tmp_path_factory):
     return _run(
         {
             "memory": MEMORY,
-            "equal/mixed_bf16": _equal("mixed_bf16"),
+            "equal/mixed_bf16": _equal("mixed_bf16", "auto"),
             "checkpoint": _checkpoint(directory),
-            "trainer": TRAINER,
+            "trainer": TRAINER.replace("DIRECTORY", repr(directory + "/trainer")),
         }
     )
 
@@ -263,14 +318,28 @@ def test_fsdp_divides_argument_bytes_and_reduce_scatters_gradients(sections):
         assert not [s for s in fsdp["all_reduce_shapes"] if whole.search(s)], fsdp
         # The replicated step does all-reduce whole gradients.
         assert [s for s in data["all_reduce_shapes"] if whole.search(s)]
+    # A jax.sharding.Mesh compiles to the same memory as make_mesh's Explicit axes.
+    same, other = result["4/fsdp"], result["4/fsdp/Mesh"]
+    assert (other["arguments"], other["temp"]) == (same["arguments"], same["temp"])
 
 
 @pytest.mark.parametrize("shard", ["fsdp", "data"])
 def test_fsdp_and_data_parallel_on_four_devices_equal_one_device(quick, shard):
     # Sharded parameters (FSDP), or replicated ones with the batch split (`shard="data"`).
+    # On a jax.make_mesh mesh (Explicit axes), as the README builds it.
     result = _result(quick, "equal/float32")[shard]
     assert result["moved"] > 1e-3  # the five updates really trained
     assert result["diff"] <= 1e-5 * max(1.0, result["scale"]), result
+    # One compilation for the five updates: init places the state typed as a step
+    # returns it (on Explicit axes a second call compiled the step again).
+    assert result["compiles"] == 1
+
+
+def test_the_trainer_with_fsdp_on_a_make_mesh_mesh(quick):
+    # The issue's example (a Linear-layer MLP, FSDP, jax.make_mesh) failed before the first
+    # update, blaming the loss; it trains and evaluates as on one device.
+    result = _result(quick, "small_trainer")
+    assert result["diff"] <= 1e-5 and result["eval_diff"] <= 1e-5, result
 
 
 @pytest.mark.slow  # a process of its own, with the sections below
@@ -298,5 +367,14 @@ def test_fsdp_bad_input(quick):
 @pytest.mark.slow  # a process of its own, with the sections beside it
 def test_trainer_with_fsdp_equals_the_trainer_on_one_device(sections):
     result = _result(sections, "trainer")
-    assert result["diff"] <= 1e-5, result
+    # On a make_mesh mesh (Explicit axes; also inside jax.set_mesh, and shard="data"): fit
+    # and evaluate equal one device (a Mesh trains in the checkpoint section).
+    assert set(result["diff"]) == {"explicit", "explicit/set_mesh", "explicit/data"}
+    assert max(result["diff"].values()) <= 1e-5, result
+    assert max(result["eval_diff"].values()) <= 1e-5, result
     assert result["loss"][0][1] < result["loss"][0][0]
+    # FSDP's parameters keep the mesh's Explicit type (sharded over "data"); gathered as
+    # the README says, the model runs outside the step.
+    assert any("@data" in t for t in result["typed"]), result["typed"]
+    assert result["logits_finite"]
+    assert result["resumed_from"] == "checkpoint_000000008"  # 2 epochs of 4 updates

@@ -3,10 +3,12 @@
 import functools
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import eqx_lowmem as el
 from eqx_lowmem.train import cross_entropy, mse, next_token_loss
@@ -96,3 +98,43 @@ def test_check_batch_follows_the_model_it_is_given():
         check_batch(cross_entropy, wide, (x, labels))
         with pytest.raises(ValueError, match=r"\[0, 4\)"):
             check_batch(cross_entropy, narrow, (x, labels))
+
+
+def test_out_of_range_ids_outside_the_trainer_are_refused_or_nan_never_clamped():
+    lm = el.nn.CausalLM(16, 8, 1, 8, 2, 16, key=jr.PRNGKey(0))
+    good = jnp.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+    # Called directly (values known): refused, naming the ids and the vocabulary.
+    for bad, one, both in ((40, "1 to 40", "1 to 40"), (-1, "-1 to 4", "-1 to 8")):
+        tokens = good.at[0, 2].set(bad)
+        said = rf"CausalLM: tokens holds token ids from {one}, but vocab_size=16.*index \(2,\)"
+        with pytest.raises(ValueError, match=said):
+            lm(tokens[0])
+        said = rf"next_token_loss: tokens holds token ids from {both}.*\[0, 16\); 1 are outside"
+        with pytest.raises(ValueError, match=said + r" \(first at index \(0, 2\)"):
+            next_token_loss(lm, tokens)
+    linear = eqx.nn.Linear(3, 5, key=jr.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"cross_entropy: labels holds labels from -1 to 2"):
+        cross_entropy(linear, jnp.ones((2, 3)), jnp.array([2, -1]))
+    # Traced (inside jit or vmap): NaN where the id is out of range (its sequence's
+    # attention spreads it), not the clamped last id (40 in 16 read id 15's row) or the
+    # wrapped -1; the other sequence is unchanged.
+    for bad in (40, -1):
+        tokens = good.at[0, 2].set(bad)
+        logits = jax.vmap(lm)(tokens)
+        assert bool(jnp.isnan(logits[0, 2]).all())
+        assert jnp.array_equal(logits[1], jax.vmap(lm)(good)[1])
+        nll, weights = jax.jit(next_token_loss)(lm, tokens)
+        assert bool(jnp.isnan(nll[0, 1])) and bool(jnp.isfinite(nll[1]).all())
+        # A masked target never matters, whatever its id (padding at the end).
+        last = good.at[0, 3].set(bad)
+        mask = jnp.ones_like(last).at[0, 3].set(0)
+        nll, weights = jax.jit(next_token_loss)(lm, last, mask)
+        assert bool(jnp.isfinite(nll).all()) and float(weights[0, 2]) == 0.0
+        assert bool(jnp.isnan(jax.jit(next_token_loss)(lm, last)[0][0, 2]))
+        ce = jax.jit(cross_entropy)(linear, jnp.ones((2, 3)), jnp.array([2, bad]))
+        assert bool(jnp.isnan(ce[1])) and bool(jnp.isfinite(ce[0]))
+    # checkify's index checks name it inside jit.
+    err, _ = jax.jit(checkify.checkify(jax.vmap(lm), errors=checkify.index_checks))(
+        good.at[1, 3].set(-1)
+    )
+    assert "index -1 is out of bounds" in str(err.get())

@@ -157,6 +157,16 @@ def test_a_broken_user_model_or_loss_is_one_line_naming_it(tmp_path, monkeypatch
                 model = el.nn.mlp([4, 8, 1], key=jr.PRNGKey(0))
                 x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
                 return model, bad_loss, (x, x)
+
+            def loss_is_text(remat):
+                model = el.nn.mlp([4, 8, 1], key=jr.PRNGKey(0))
+                x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+                return model, "mse", (x, x)
+
+            def optimizer_is_a_rate(remat):
+                model = el.nn.mlp([4, 8, 1], key=jr.PRNGKey(0))
+                x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+                return model, el.train.mse, (x, x), 1e-3
             """
         )
     )
@@ -171,6 +181,15 @@ def test_a_broken_user_model_or_loss_is_one_line_naming_it(tmp_path, monkeypatch
     last = err.strip().splitlines()[-1]
     assert "error in --model broken_models_cli:loss_fails" in last and "KeyError" in last
     assert "Traceback" not in err
+    # What the factory returns in the wrong place: the item, what was expected, what came.
+    code, _, err = _main(["report", "--model", "broken_models_cli:loss_is_text"], capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "the loss it returns (the second item) must be a function" in last
+    assert "got str 'mse'" in last and "not callable" not in err
+    code, _, err = _main(["report", "--model", "broken_models_cli:optimizer_is_a_rate"], capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "the optimizer it returns (the fourth item)" in last
+    assert "optax GradientTransformation" in last and "got float 0.001" in last
 
 
 def test_an_unwritable_plot_fails_before_the_report_is_computed(tmp_path, capsys):

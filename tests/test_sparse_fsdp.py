@@ -38,7 +38,11 @@ BODY = textwrap.dedent(
         return [np.asarray(a) for a in leaves], specs, float(metrics["loss"])
 
     one, _, loss_one = train()
-    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    # Both kinds of mesh: jax.make_mesh's Explicit axes for one storage, a Mesh for the other.
+    if STORAGE == "indices":
+        mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    else:
+        mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
     four, specs, loss_four = train(mesh=mesh, shard="fsdp")
     layers = [l for _, l in sp.sparse_layers(model)]
     out = {

@@ -257,6 +257,46 @@ def test_stack_rejects_bad_use(getkey):
         plain(jnp.zeros(2), {"a": jnp.zeros(2)})
 
 
+class Narrowing(eqx.Module):
+    """A block that changes its input's shape (8 -> 4) or, with `cast`, its dtype."""
+
+    w: eqx.nn.Linear
+    cast: bool = eqx.field(static=True, default=False)
+
+    def __call__(self, x, *, key=None):
+        y = self.w(x)
+        return y.astype(jnp.float16) if self.cast else y
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_block_that_changes_shape_or_dtype_is_named(getkey, scan):
+    wide = el.nn.stack(lambda k: Narrowing(eqx.nn.Linear(8, 4, key=k)), 3, key=getkey(), scan=scan)
+    said = r"\(Narrowing\) took an input of float32\[8\] and returned an output of float32\[4\]"
+    with pytest.raises(ValueError, match=said + r".*output must keep its input's"):
+        jax.vmap(wide)(jnp.ones((2, 8)))
+    cast = el.nn.stack(
+        lambda k: Narrowing(eqx.nn.Linear(8, 8, key=k), cast=True), 2, key=getkey(),
+        remat=True, segment=1,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"returned an output of float16\[8\]"):
+        cast(jnp.ones(8))
+    growing, states = el.nn.stack(
+        lambda k: (GrowingState(jnp.ones(2)), jnp.zeros(2)), 2, key=getkey(), stateful=True
+    )
+    said = r"took a state of float32\[2\] and returned a state of float32\[4\]"
+    with pytest.raises(ValueError, match=said):
+        growing(jnp.ones(2), states)
+
+
+class GrowingState(eqx.Module):
+    """A stateful block whose new state is longer than the one it took."""
+
+    w: jax.Array
+
+    def __call__(self, x, state, *, key=None):
+        return x * self.w, jnp.concatenate([state, x])
+
+
 def test_save_offload_validation():
     assert el.nn.Save("a", offload=["b"]).offload == ("b",)
     with pytest.raises(ValueError, match="both saved on the device and offloaded"):

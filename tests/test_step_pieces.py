@@ -270,6 +270,59 @@ def test_reusing_a_donated_state_is_a_clear_error(getkey):
         step(state, batch)
 
 
+@pytest.mark.parametrize(
+    "key, said",
+    [
+        (0, r"key=0 is an int; key must be a JAX PRNG key: pass key=jr.PRNGKey\(0\)"),
+        (jnp.zeros(5, jnp.uint32), r"got an array of dtype uint32 and shape \(5,\)"),
+        (jr.split(jr.key(0), 3), r"one JAX PRNG key \(shape \(\)\), got keys of shape \(3,\)"),
+        (np.zeros(2, np.uint32), r"key is a numpy array.*jnp.asarray\(key\)"),
+    ],
+)
+def test_step_init_and_fit_refuse_the_same_keys_alike(getkey, key, said):
+    """One rule for PRNG keys (`eqx_lowmem._checks.check_prng_key`): `Step.init` took any
+    uint32 array and a batch of keys, which the Trainer's fit refused or took differently."""
+    model = el.nn.mlp([2, 1], key=getkey())
+    step = el.train.make_step(el.train.mse, optax.sgd(0.1))
+    trainer = el.train.Trainer(model, el.train.mse, optax.sgd(0.1), progress=False)
+    x = np.ones((4, 2), np.float32)
+    for call in (lambda: step.init(model, key=key),
+                 lambda: trainer.fit(x, x[:, :1], epochs=1, micro_batch=2, key=key)):  # fmt: skip
+        with pytest.raises(TypeError, match=said):
+            call()
+    assert trainer.state is None  # refused before any work
+    for good in (jr.PRNGKey(0), jr.key(0)):
+        step.init(model, key=good)
+
+
+class _IntegerModel(eqx.Module):
+    """A model whose only array is integer: a step differentiates nothing in it."""
+
+    w: jax.Array
+
+    def __call__(self, x, *, key=None):
+        return x @ self.w.astype(x.dtype)
+
+
+def test_a_model_with_nothing_to_train_and_an_uncalled_hook_factory_are_refused():
+    model = _IntegerModel(jnp.ones((2, 1), jnp.int32))
+    x = np.ones((4, 2), np.float32)
+    trainer = el.train.Trainer(model, el.train.mse, optax.sgd(0.1), progress=False)
+    said = r"no floating-point arrays to train \(found 1: int32\[2, 1\]\)"
+    with pytest.raises(ValueError, match=said):
+        trainer.fit(x, x[:, :1], epochs=2, micro_batch=2, key=jr.PRNGKey(0))
+    with pytest.raises(ValueError, match="found no arrays at all"):
+        el.train.make_step(el.train.mse, optax.sgd(0.1)).init(lambda x: x, key=jr.PRNGKey(0))
+    # el.sparse.dsr makes a hook: passed uncalled, it is named at once, not at the first step.
+    said = r"after_update=dsr takes \(\*, period.*after_update=dsr\(\.\.\.\)"
+    with pytest.raises(TypeError, match=said):
+        el.train.make_step(el.train.mse, optax.sgd(0.1), after_update=el.sparse.dsr)
+    with pytest.raises(TypeError, match=said):
+        el.train.Trainer(el.nn.mlp([2, 1], key=jr.PRNGKey(0)), el.train.mse, optax.sgd(0.1),
+                         after_update=el.sparse.dsr)  # fmt: skip
+    el.train.make_step(el.train.mse, optax.sgd(0.1), after_update=el.sparse.dsr())
+
+
 def test_bad_models_and_keys_are_refused_before_work(getkey):
     step = el.train.make_step(el.train.mse, optax.sgd(0.1))
     model = el.nn.mlp([2, 1], key=getkey())

@@ -154,7 +154,7 @@ def test_nonfinite_update_is_skipped_and_state_unchanged(getkey):
 @pytest.mark.parametrize(
     "kwargs, batch, match",
     [
-        (dict(accumulate=0), None, "accumulate=0"),
+        (dict(accumulate=0), None, "accumulate must be an int >= 1 .*got 0"),
         (dict(accumulate=4), (np.ones((3, 2)), np.ones((3, 1))), "at least 4"),
         (dict(), (np.ones((3, 2)), np.ones((4, 1))), "first .batch. dimension"),
     ],

@@ -1,7 +1,9 @@
 """The Trainer: the guide's examples, streams, evaluation, bad input, non-finite losses."""
 
+import json
 import re
 import threading
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -123,7 +125,7 @@ def test_bad_input_fails_before_any_work(tmp_path, call, match):
 
 
 def test_accumulate_must_be_positive():
-    with pytest.raises(ValueError, match="accumulate=0"):
+    with pytest.raises(ValueError, match="accumulate must be an int >= 1 .*got 0"):
         el.train.Trainer(
             el.nn.mlp([2, 1], key=jr.PRNGKey(0)), el.train.mse, optax.sgd(0.1), accumulate=0
         )
@@ -189,6 +191,25 @@ def _trainer(**kwargs):
     model = kwargs.pop("model", None) or el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0))
     optimizer = kwargs.pop("optimizer", None) or optax.sgd(0.05)
     return el.train.Trainer(model, kwargs.pop("loss", el.train.mse), optimizer, **kwargs)
+
+
+def test_a_model_read_before_a_second_fit_stays_usable():
+    X, y = _guide_data()
+    trainer = _trainer()
+    fit = dict(epochs=1, micro_batch=8, key=jr.PRNGKey(1), shuffle=False)
+    trainer.fit(X, y, **fit)
+    kept = trainer.model
+    before = jax.vmap(kept)(X)
+    trainer.fit(X, y, **fit)
+    # The steps of the second fit trained a copy; the model read is intact (its buffers
+    # were donated before: "Array has been deleted").
+    np.testing.assert_array_equal(jax.vmap(kept)(X), before)
+    internal = trainer.state.model  # not handed out by `model`: donated by the next fit
+    assert not np.array_equal(jax.vmap(internal)(X), before)  # the copy trained on
+    trainer.fit(X, y, **fit)
+    # A deleted model handed back to the library is named as such.
+    with pytest.raises(ValueError, match=r"was deleted: a training step donated.*jnp.copy"):
+        el.train.make_step(el.train.mse, optax.sgd(0.1)).init(internal, key=jr.PRNGKey(0))
 
 
 def test_the_model_is_held_once_and_a_second_fit_continues():
@@ -261,6 +282,7 @@ def test_a_rerun_with_other_settings_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"different optimizer .*-0\.001 then, -0\.003 now") as e:
         _trainer(checkpoint_dir=tmp_path, optimizer=optax.adam(3e-3)).fit(X, y, **fit)
     assert "\n" not in str(e.value) and "new checkpoint_dir" in str(e.value)
+    assert "scale.step_size was -0.001" in str(e.value)  # which hyperparameter differs
     with pytest.raises(ValueError, match="different micro_batch .*8 then, 16 now"):
         _trainer(checkpoint_dir=tmp_path, optimizer=optax.adam(1e-3)).fit(
             X, y, epochs=2, micro_batch=16, key=jr.PRNGKey(1)
@@ -276,28 +298,81 @@ def test_a_rerun_with_other_settings_is_refused_in_one_line(tmp_path):
     assert len(same.fit(X, y, **fit)["train_loss"]) == 2
 
 
-def _no_key_model(x):
-    return x[:1]
+def test_the_optimizer_fingerprint_holds_whole_arrays_and_names_what_differs():
+    """Two schedules over 100 rates that differ in the last one only (past the 32 bytes
+    the fingerprint once kept) are different optimizers, and the refusal says where."""
+    from eqx_lowmem.train._resume import _changed, fingerprint
+
+    def scheduled(rates):
+        opt = optax.chain(optax.scale_by_adam(b1=0.8), optax.scale_by_schedule(lambda s: rates[s]))
+        return fingerprint((opt.init, opt.update))
+
+    rates = jnp.linspace(0.1, 0.2, 100)
+    same, other = scheduled(rates), scheduled(rates.at[-1].set(0.5))
+    assert same == scheduled(jnp.array(rates)) and same != other
+    said = _changed(Path("ckpt"), "optimizer", same, other)
+    shown = r"scheduled\.rates was float32\[100\] sha256:\w+ then, float32\[100\] sha256:\w+ now"
+    assert re.search(shown + r" \(at optimizer\[1\]>.*scale_by_schedule", said), said
+    b1 = {k: "0.9" if k.endswith("scale_by_adam.b1") else v for k, v in same.items()}
+    assert "scale_by_adam.b1 was 0.8 then, 0.9 now" in _changed(Path("c"), "optimizer", same, b1)
+    assert json.loads(json.dumps(same)) == same  # stored in the checkpoint's header as is
+
+
+@pytest.mark.parametrize(
+    "edit, said",
+    [
+        (lambda m: m.pop("partial"), r"'partial' \(missing\)"),
+        (lambda m: m.update(history=[1.0]), r"'history' \(a list\)"),
+        (lambda m: m["partial"].pop("weight"), r"'partial' \(without \['weight'\]\)"),
+    ],
+)
+def test_a_forged_checkpoint_header_is_named_not_a_key_error(tmp_path, edit, said):
+    from .test_checkpoint import _rewrite_header
+
+    X, y = _guide_data()
+    fit = dict(epochs=1, micro_batch=8, key=jr.PRNGKey(1))
+    _trainer(checkpoint_dir=tmp_path).fit(X, y, **fit)
+
+    def forge(raw):  # the metadata edited, the header's checksum valid
+        header = json.loads(raw)
+        edit(header["meta"])
+        return json.dumps(header).encode()
+
+    _rewrite_header(tmp_path / "checkpoint.ckpt", forge)
+    with pytest.raises(el.train.CheckpointError, match=said + ".*not written by Trainer.fit"):
+        _trainer(checkpoint_dir=tmp_path).fit(X, y, **dict(fit, epochs=2))
+
+
+class _NoKeyModel(eqx.Module):
+    """A model whose `__call__` takes no `key`."""
+
+    w: jax.Array
+
+    def __call__(self, x):
+        return x[:1] * self.w
 
 
 @pytest.mark.parametrize(
     "make, call, error, match",
     [
         (dict(checkpoint_dir="FILE"), None, ValueError, "is a file"),
+        # Under /proc nothing can be created: named, before any work.
+        (dict(checkpoint_dir="/proc/eqx_lowmem_run"), None, ValueError,
+         r"checkpoint_dir='/proc/eqx_lowmem_run' cannot be created: .*runs/run1"),  # fmt: skip
         # (jaxtyping and beartype, on in the tests, see some first: their errors also name
         # the argument, the value and what was expected.)
-        ({}, dict(key=0), TypeError, "key must be a PRNG key|parameter 'key'"),
-        ({}, dict(micro_batch=True), ValueError, "micro_batch must be an int"),
+        ({}, dict(key=0), TypeError, r"key=0 is an int.*jr.PRNGKey\(0\)|parameter 'key'"),
+        ({}, dict(micro_batch=True), TypeError, "micro_batch must be an int"),
         ({}, dict(micro_batch=2.5), (TypeError, ValueError), "micro_batch must be|'micro_batch'"),
         ({}, dict(epochs=None), ValueError, "needs epochs=... or updates="),
         ({}, dict(eval_every=2), ValueError, "eval_every needs eval_data"),
         (dict(keep_checkpoints=0), None, ValueError, "keep_checkpoints must be"),
-        (dict(max_consecutive_skips=True), None, ValueError, "max_consecutive_skips must be"),
+        (dict(max_consecutive_skips=True), None, TypeError, "max_consecutive_skips must be"),
         (dict(checkpoint_seconds=-1), None, ValueError, "checkpoint_seconds must be"),
         (dict(progress="yes"), None, (TypeError, ValueError), "progress must be|'progress'"),
         (dict(config={"f": object()}), None, ValueError, "JSON-serialisable"),
         # The loss passes a key to the model, which takes none: found before the first step.
-        (dict(model=_no_key_model), {}, ValueError, "cannot be applied"),
+        (dict(model=_NoKeyModel(jnp.ones(1))), {}, ValueError, "cannot be applied"),
     ],
 )
 def test_more_bad_input_fails_before_any_work(tmp_path, make, call, error, match):

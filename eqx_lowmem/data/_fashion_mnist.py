@@ -2,6 +2,7 @@
 
 import gzip
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +28,19 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     dimension as a big-endian uint32, then the data in row-major order.
 
     Raises:
-        ValueError: for a file that is not a gzipped unsigned-byte idx file, or whose
-            length does not match its header.
+        ValueError: naming the file, for one that is not gzip (or is a truncated or
+            corrupt one), not an unsigned-byte idx file, or whose length does not match
+            its header.
     """
-    with gzip.open(path, "rb") as f:
-        data = f.read()
+    try:
+        with gzip.open(path, "rb") as f:
+            data = f.read()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise ValueError(
+            f"{path} is not a readable gzip file ({type(e).__name__}: {e}): it is truncated "
+            "or corrupt. Reinstall the package (sudo apt-get install --reinstall "
+            "dataset-fashion-mnist) or pass path= to a folder of intact files."
+        ) from None
     if len(data) < 4 or data[0] != 0 or data[1] != 0:
         raise ValueError(f"{path} is not an idx file (its magic number must start 0x0000).")
     if data[2] != _UBYTE:

@@ -6,9 +6,6 @@ computing the ones before it: that is what lets a stream resume at any batch wit
 replaying the epoch.
 """
 
-import jax
-import jax.numpy as jnp
-import jax.random as jr
 import numpy as np
 
 # Feistel rounds, each with a random round function (a table). Luby and Rackoff (1988)
@@ -29,34 +26,6 @@ _STORED = _CHUNK
 # 60,000 samples sorted into 10 classes with a buffer of 1000, batches of 32 hold 9.53
 # distinct classes with blocks of 7, 9.35 with blocks of 15, 9.66 for a full shuffle.
 _BLOCKS_PER_BUFFER = 128
-
-
-def key_entropy(key: int | jax.Array | np.ndarray | None) -> list[int] | None:
-    """The key as a list of non-negative ints: what seeds every order, and what a state stores.
-
-    Accepts an int seed, a raw key (`jr.PRNGKey(0)`, uint32) or a typed key (`jr.key(0)`).
-    """
-    if key is None:
-        return None
-    if isinstance(key, (bool, np.bool_)):
-        raise TypeError(
-            f"key={key!r}; expected an int seed, jr.PRNGKey(seed) or jr.key(seed) "
-            "(True is not a seed)."
-        )
-    if isinstance(key, (int, np.integer)):
-        key = int(key)
-        if key < 0:
-            raise ValueError(f"key={key} is negative; pass a non-negative int seed or a jax key.")
-        return [key]
-    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jr.key_data(key)
-    data = np.asarray(key)
-    if data.dtype.kind not in "ui" or data.size == 0 or (data < 0).any():
-        raise ValueError(
-            f"key has dtype {data.dtype} and shape {data.shape}; expected an int seed, "
-            "jr.PRNGKey(seed) or jr.key(seed)."
-        )
-    return [int(v) for v in data.ravel()]
 
 
 def seed(entropy: list[int], *spawn_key: int) -> np.random.SeedSequence:

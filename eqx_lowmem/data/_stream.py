@@ -8,9 +8,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._checks import check_int, seed_entropy
 from ._draws import InOrder, ShuffleBuffer
 from ._prefetch import Batches, check_depth, checked, run_ahead, to_device
-from ._shuffle import BlockOrder, GlobalOrder, Order, key_entropy, seed
+from ._shuffle import BlockOrder, GlobalOrder, Order, seed
 from ._sources import SOURCE_KINDS, SampleReader, Watched, open_arrays, row_gather
 
 Batch = tuple[np.ndarray, ...]
@@ -31,18 +32,6 @@ _GROUP_BATCH_BYTES = 32 << 10
 def _is_int(x: Any) -> bool:
     """An int that is not a bool (`True` is an int to Python, never a size here)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _check_int(name: str, value: Any, alternative: str = "") -> None:
-    if not _is_int(value):
-        raise TypeError(
-            f"{name}={value!r} ({type(value).__name__}); expected an int >= 1"
-            f"{', ' + alternative if alternative else ''}."
-        )
-    if value < 1:
-        raise ValueError(
-            f"{name}={value}; expected an int >= 1{', ' + alternative if alternative else ''}."
-        )
 
 
 class DataStream:
@@ -177,9 +166,8 @@ class DataStream:
         process_index: int | None = None,
         process_count: int | None = None,
     ):
-        _check_int("batch_size", batch_size)
-        if shuffle_buffer is not None:
-            _check_int("shuffle_buffer", shuffle_buffer, "or None for no shuffle")
+        check_int("batch_size", batch_size, 1)
+        check_int("shuffle_buffer", shuffle_buffer, 1, none=True, alternative="None: no shuffle")
         if not isinstance(drop_last, (bool, np.bool_)):
             raise TypeError(f"drop_last={drop_last!r}; expected True or False.")
         batch_size = int(batch_size)
@@ -191,11 +179,8 @@ class DataStream:
             )
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
-        if not (_is_int(process_index) and _is_int(process_count)):
-            raise TypeError(
-                f"process_index={process_index!r} and process_count={process_count!r}; "
-                "expected ints."
-            )
+        check_int("process_index", process_index, 0)
+        check_int("process_count", process_count, 1)
         if not 0 <= process_index < process_count:
             raise ValueError(
                 f"process_index={process_index} with process_count={process_count}; expected "
@@ -236,7 +221,7 @@ class DataStream:
         self.drop_last = drop_last
         self.process_index = process_index
         self.process_count = process_count
-        self._entropy = key_entropy(key)
+        self._entropy = seed_entropy("key", key)
         self._epoch = 0
         self._batch = 0
         self._generation = 0  # which iteration may move the position

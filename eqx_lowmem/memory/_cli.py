@@ -348,6 +348,11 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:300]}" if first else type(e).__name__
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _build(factory: Callable[..., Any], remat: str, spec: str, concrete: bool, user: bool):
     """(model, loss_fn, batch, optimizer or None), abstract unless `concrete`."""
     try:
@@ -365,6 +370,20 @@ def _build(factory: Callable[..., Any], remat: str, spec: str, concrete: bool, u
         )
     model, loss_fn, batch = out[:3]
     optimizer = out[3] if len(out) == 4 else None
+    if not callable(loss_fn):
+        raise ValueError(
+            f"--model {spec}: the loss it returns (the second item) must be a function "
+            f"loss_fn(model, *batch), such as eqx_lowmem.train.mse; got "
+            f"{type(loss_fn).__name__} {_short(loss_fn)}."
+        )
+    if optimizer is not None and not (
+        callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+    ):
+        raise ValueError(
+            f"--model {spec}: the optimizer it returns (the fourth item) must be an optax "
+            f"GradientTransformation, such as optax.adam(1e-3); got "
+            f"{type(optimizer).__name__} {_short(optimizer)}."
+        )
     if not isinstance(batch, (tuple, list)):
         raise ValueError(
             f"--model {spec}: the batch it returns must be a tuple of arrays or "

@@ -4,9 +4,11 @@ from typing import Literal
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .._checks import ids_outside
 from ._encoder import TransformerEncoder, transformer_encoder
 from ._norm import LayerNorm
 from ._remat import RematArg
@@ -91,16 +93,38 @@ class CausalLM(eqx.Module):
         """Logits of the next token at every position of one sequence.
 
         Args:
-            tokens: token ids, `(seq,)` with `seq <= max_seq`.
+            tokens: token ids, `(seq,)` with `seq <= max_seq`, each in `[0, vocab_size)`.
             key: PRNG key for dropout; `None` turns dropout off.
+
+        Raises:
+            ValueError: for an id outside `[0, vocab_size)` in `tokens` known here (a call
+                outside `jit`/`vmap`). Traced (inside `jit`, `vmap`, `grad`) such an id
+                cannot be checked without a device round trip: its position's logits are
+                NaN instead, and `jax.experimental.checkify.checkify(...,
+                errors=checkify.index_checks)` reports it. The Trainer checks every batch on
+                the host first.
         """
         if tokens.ndim != 1 or tokens.shape[0] > self.max_seq:
             raise ValueError(
                 f"CausalLM expects one sequence of at most max_seq={self.max_seq} token ids, "
                 f"got shape {tokens.shape}; jax.vmap over the batch."
             )
+        bad = ids_outside(tokens, self.vocab_size)
+        if bad is not None:
+            raise ValueError(
+                f"CausalLM: tokens holds token ids {bad[0]}, but vocab_size="
+                f"{self.vocab_size}, so they must lie in [0, {self.vocab_size}); {bad[1]}. "
+                "Map every id into the vocabulary (pad with an id below vocab_size and mask "
+                "it in the loss)."
+            )
         seq = tokens.shape[0]
-        x = self.embed[tokens] + self.pos[:seq]  # (seq, d_model)
+        # Traced ids cannot be checked without a device round trip: one outside
+        # [0, vocab_size) reads NaN here (not the clamped last row, nor a wrapped -1), so
+        # its logits say so.
+        embedded = self.embed.at[tokens].get(
+            mode="fill", fill_value=jnp.nan, wrap_negative_indices=False
+        )
+        x = embedded + self.pos[:seq]  # (seq, d_model)
         x = self.encoder(x, key=key)
         x = self.ln_f(x)
         if self.head is None:

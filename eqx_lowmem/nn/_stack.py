@@ -129,8 +129,18 @@ class Stack(eqx.Module):
         def one(h, s, key):
             layer_key = None if key is None else jr.fold_in(key, i)
             if self.stateful:
-                return block(h, s, key=layer_key)
-            return block(h, key=layer_key), None
+                out = block(h, s, key=layer_key)
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise TypeError(
+                        f"a block of this stateful Stack ({type(block).__name__}) must return "
+                        f"(output, state), got {type(out).__name__}."
+                    )
+                _check_same("output", block, h, out[0])
+                _check_same("state", block, s, out[1])
+                return out
+            y = block(h, key=layer_key)
+            _check_same("output", block, h, y)
+            return y, None
 
         if batch is None:
             return one(h, s, key)
@@ -427,6 +437,32 @@ def _fold_into(fold: Callable, seg: int | None, acc: Array, g: Array, first: int
         return jax.lax.dynamic_update_index_in_dim(acc, fold(old, g), first, 0)
     old = jax.lax.dynamic_slice_in_dim(acc, first, g.shape[0])
     return jax.lax.dynamic_update_slice_in_dim(acc, fold(old, g), first, 0)
+
+
+def _avals(tree: PyTree) -> str:
+    """`tree`'s structure with each array as its dtype and shape, e.g. `float32[8]`."""
+    return str(jax.tree.map(lambda a: f"{jnp.dtype(a.dtype).name}{list(jnp.shape(a))}", tree))
+
+
+_SAME = {
+    "output": ("an input", "an output", "the next block takes it. Put layers that change "
+               "the shape or dtype (a projection, a cast) before or after the stack"),
+    "state": ("a state", "a state", "the stack carries each layer's state unchanged in "
+              "type (BatchNorm's running statistics keep their shapes)"),
+}  # fmt: skip
+
+
+def _check_same(what: str, block: Any, before: PyTree, after: PyTree) -> None:
+    """A block's output (or new state) must match its input (state) in structure, shapes
+    and dtypes: the next block takes it, and the loop's carry cannot change type."""
+    seen_in, seen_out = _avals(before), _avals(after)
+    if seen_in != seen_out:
+        took, returned, why = _SAME[what]
+        raise ValueError(
+            f"a block of this Stack ({type(block).__name__}) took {took} of {seen_in} and "
+            f"returned {returned} of {seen_out} (per example): a block's {what} must keep "
+            f"its {took.split()[1]}'s structure, shapes and dtypes, since {why}."
+        )
 
 
 def _check_segment(segment: object, n_layers: int) -> int | None:

@@ -7,11 +7,11 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 from jax.sharding import Mesh
 
+from .._checks import check_int, check_prng_key, check_seconds
 from ..data import DataStream
 from ._batches import peek
 from ._loss import call_loss
@@ -26,35 +26,6 @@ fit() takes either arrays or a stream, not both:
     trainer.fit(X, y, epochs=3, micro_batch=8, key=key)          # arrays
     trainer.fit(epochs=3, key=key, stream=DataStream(...))       # a stream
 """
-
-
-def int_arg(name: str, value: Any, minimum: int, none: bool = False) -> None:
-    if value is None and none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        also = "None or " if none else ""
-        raise ValueError(f"{name} must be {also}an int >= {minimum}, got {value!r}.")
-
-
-def seconds_arg(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name} must be None or a number of seconds > 0, got {value!r}.")
-
-
-def check_key(key: Any) -> None:
-    ok = isinstance(key, jax.Array) and (
-        jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-        or (key.dtype == jnp.uint32 and key.shape in ((2,), (4,)))
-    )
-    if not ok:
-        got = (
-            f"{type(key).__name__} {key!r}"
-            if not hasattr(key, "dtype")
-            else (f"an array of dtype {key.dtype} and shape {tuple(key.shape)}")
-        )
-        raise TypeError(f"key must be a PRNG key such as jr.PRNGKey(0) or jr.key(0), got {got}.")
 
 
 def check_trainer_args(
@@ -74,11 +45,11 @@ def check_trainer_args(
     check_directory(None if checkpoint_dir is None else Path(checkpoint_dir))
     if checkpoint_format not in FORMATS:
         raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}.")
-    int_arg("checkpoint_every", checkpoint_every, 1, none=True)
-    int_arg("keep_checkpoints", keep_checkpoints, 1)
-    int_arg("max_consecutive_skips", max_consecutive_skips, 1)
-    seconds_arg("checkpoint_seconds", checkpoint_seconds)
-    seconds_arg("log_seconds", log_seconds)
+    check_int("checkpoint_every", checkpoint_every, 1, none=True)
+    check_int("keep_checkpoints", keep_checkpoints, 1)
+    check_int("max_consecutive_skips", max_consecutive_skips, 1)
+    check_seconds("checkpoint_seconds", checkpoint_seconds)
+    check_seconds("log_seconds", log_seconds)
     if checkpoint_every is not None and checkpoint_dir is None:
         raise ValueError("checkpoint_every needs a checkpoint_dir to write to.")
     if progress not in (True, False, "bar", "log"):
@@ -95,10 +66,10 @@ def check_trainer_args(
 
 def check_fit_args(key: Any, epochs: Any, updates: Any, eval_every: Any, eval_data: Any) -> None:
     """The checks of `fit(...)`'s arguments other than the data."""
-    check_key(key)
-    int_arg("epochs", epochs, 0, none=True)
-    int_arg("updates", updates, 0, none=True)
-    int_arg("eval_every", eval_every, 1, none=True)
+    check_prng_key("key", key)
+    check_int("epochs", epochs, 0, none=True)
+    check_int("updates", updates, 0, none=True)
+    check_int("eval_every", eval_every, 1, none=True)
     if epochs is None and updates is None:
         raise ValueError("fit() needs epochs=... or updates=... (or both).")
     if eval_every is not None and eval_data is None:
@@ -122,11 +93,10 @@ def make_stream(X, y, micro_batch, key, shuffle, stream, accumulate: int) -> Dat
         return stream
     if X is None:
         raise ValueError("fit() needs arrays X (and y) or stream=DataStream(...).")
-    if not isinstance(micro_batch, int) or isinstance(micro_batch, bool) or micro_batch < 1:
-        raise ValueError(
-            f"micro_batch must be an int >= 1 (samples per micro-batch; an update uses "
-            f"accumulate={accumulate} of them), got {micro_batch!r}."
-        )
+    check_int(
+        "micro_batch", micro_batch, 1,
+        alternative=f"samples per micro-batch; an update uses accumulate={accumulate} of them",
+    )  # fmt: skip
     arrays = (X,) if y is None else (X, y)
     lengths = [len(a) for a in arrays]
     if len(set(lengths)) != 1:
@@ -206,8 +176,14 @@ def check_model_accepts(step_fn: Step, loss, state: TrainState, stream: DataStre
         return call_loss(loss, model, batch, model_state=model_state, key=key, policy=policy)
 
     specs = tuple(jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in first)
+    # Whole arrays, as the loss sees them inside the step (FSDP gathers them there; on a
+    # mesh with Explicit axes the state's arrays are typed as sharded).
+    model, model_state = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x,
+        (state.model, state.model_state),
+    )
     try:
-        eqx.filter_eval_shape(trace, state.model, state.model_state, specs, jr.PRNGKey(0))
+        eqx.filter_eval_shape(trace, model, model_state, specs, jr.PRNGKey(0))
     except Exception as e:
         shapes = ", ".join(f"{tuple(s.shape)} {s.dtype}" for s in specs)
         raise ValueError(

@@ -2,28 +2,40 @@
 
 import equinox as eqx
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..data import DataStream
 from ..precision._policy import Policy
 from ._batches import pad
 from ._checks import make_eval_stream
 from ._loss import call_loss
+from ._shard import in_auto_axes
 
 
-def eval_function(loss, policy: Policy, jit: bool):
-    """`(model, model_state, batch, weights) -> (weighted loss sum, weight)`, jitted or not."""
+def eval_function(loss, policy: Policy, jit: bool, mesh: Mesh | None = None):
+    """`(model, model_state, batch, weights) -> (weighted loss sum, weight)`, jitted or not;
+    with every axis of `mesh` Auto inside (FSDP's parameters sharded over Explicit axes
+    are then gathered where the loss needs them, as on Auto axes)."""
 
     def eval_batch(model, model_state, batch, weights):
-        out = call_loss(
-            loss,
-            model,
-            batch,
-            weights,
-            model_state=model_state,
-            key=None,
-            policy=policy,
+        (arrays, state_arrays), (static, state_static) = eqx.partition(
+            (model, model_state), eqx.is_array
         )
-        return jnp.sum(out.values * out.weights), jnp.sum(out.weights)
+
+        def sums(arrays, state_arrays, batch, weights):
+            out = call_loss(
+                loss,
+                eqx.combine(arrays, static),
+                batch,
+                weights,
+                model_state=eqx.combine(state_arrays, state_static),
+                key=None,
+                policy=policy,
+            )
+            return jnp.sum(out.values * out.weights), jnp.sum(out.weights)
+
+        replicated = None if mesh is None else NamedSharding(mesh, P())
+        return in_auto_axes(sums, mesh, replicated)(arrays, state_arrays, batch, weights)
 
     return eqx.filter_jit(eval_batch) if jit else eval_batch
 
@@ -32,11 +44,12 @@ def evaluate(trainer, data: tuple | DataStream, micro_batch: int | None = None) 
     """`Trainer.evaluate`: the mean loss over every sample of `data`."""
     stream = data if isinstance(data, DataStream) else make_eval_stream(data, micro_batch or 256)
     assert stream is not None
-    model = eqx.nn.inference_mode(trainer.model)
+    held, model_state = trainer._held()
+    model = eqx.nn.inference_mode(held)
     total = weight = 0.0
     for batch in stream:
         batch, weights = pad([tuple(jnp.asarray(x) for x in batch)], stream.batch_size)
-        s, w = trainer._eval_fn(model, trainer.model_state, batch, weights)
+        s, w = trainer._eval_fn(model, model_state, batch, weights)
         total += float(s)
         weight += float(w)
     if weight <= 0:

@@ -17,6 +17,8 @@ import jax.random as jr
 import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from .._checks import ids_outside
+
 
 def _apply(model, x: Array, key: PRNGKeyArray | None) -> Array:
     if key is None:
@@ -53,12 +55,14 @@ def cross_entropy(model, x: Array, labels: Array, *, key=None) -> Float[Array, "
     """Softmax cross-entropy of the logits `jax.vmap(model)(x)` against integer labels
     of shape `(batch,)` (checked here, with a message that says what to fix).
 
-    Labels outside `[0, classes)` cannot be seen inside the step (JAX clamps the index);
-    the Trainer checks them on the host first (`check_batch`).
+    Labels outside `[0, classes)`: refused when their values are known here (a call
+    outside `jit`); traced, their loss is NaN (never a clamped or wrapped class), which
+    `jax.experimental.checkify.checkify(..., errors=checkify.index_checks)` reports. The
+    Trainer checks every batch on the host first (`check_batch`).
 
     Raises:
-        ValueError: if the logits are not `(batch, classes)`, or the labels not `(batch,)`
-            integers.
+        ValueError: if the logits are not `(batch, classes)`, the labels not `(batch,)`
+            integers, or (outside `jit`) a label outside `[0, classes)`.
     """
     logits = _apply(model, x, key).astype(jnp.float32)
     if logits.ndim != 2 or labels.shape != logits.shape[:1]:
@@ -70,8 +74,9 @@ def cross_entropy(model, x: Array, labels: Array, *, key=None) -> Float[Array, "
         raise ValueError(
             f"cross_entropy: labels must be integer class ids, got dtype {labels.dtype}."
         )
+    _refuse_ids("cross_entropy", "labels", labels, logits.shape[-1], "labels")
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
+    return -_pick(logp, labels)
 
 
 def next_token_loss(
@@ -90,6 +95,12 @@ def next_token_loss(
 
     Returns:
         `(losses, weights)` per predicted token, so the step averages over real tokens.
+
+    Raises:
+        ValueError: for tokens that are not `(batch, seq)` integers, a mask of another
+            shape, or (outside `jit`, where the values are known) a token id outside
+            `[0, vocab)`. Traced, such an id's loss is NaN (never a clamped or wrapped id;
+            masked positions excepted), which `checkify.index_checks` reports.
     """
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(
@@ -107,10 +118,33 @@ def next_token_loss(
             f"next_token_loss: the model maps {inputs.shape[1]} tokens to logits of shape "
             f"{logits.shape[1:]}; expected (seq, vocab) = ({inputs.shape[1]}, vocab)."
         )
+    _refuse_ids("next_token_loss", "tokens", tokens, logits.shape[-1], "token ids")
     logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    weights = jnp.ones_like(nll) if mask is None else mask[:, 1:].astype(jnp.float32)
-    return nll, weights
+    nll = -_pick(logp, targets)
+    if mask is None:
+        return nll, jnp.ones_like(nll)
+    weights = mask[:, 1:].astype(jnp.float32)
+    return jnp.where(weights > 0, nll, 0.0), weights  # a masked target never matters
+
+
+def _pick(logp: Array, ids: Array) -> Array:
+    """`logp[..., ids]` along the last axis; NaN for an id outside it (JAX would clamp a
+    large id and wrap a negative one)."""
+    picked = jnp.take_along_axis(
+        logp, ids[..., None], axis=-1, mode="fill", fill_value=jnp.nan,
+        wrap_negative_indices=False,
+    )  # fmt: skip
+    return picked[..., 0]
+
+
+def _refuse_ids(loss: str, name: str, ids: Array, size: int, what: str) -> None:
+    """Ids outside `[0, size)`, where their values are known here (outside `jit`)."""
+    bad = ids_outside(ids, size)
+    if bad is not None:
+        raise ValueError(
+            f"{loss}: {name} holds {what} {bad[0]}, but the model has {size} outputs, so "
+            f"they must lie in [0, {size}); {bad[1]}. {_BAD_DATA}"
+        )
 
 
 # ----------------------------------------------------------------------------- host checks
@@ -166,23 +200,17 @@ def _trace_classes(model: Any, sample: np.ndarray) -> int | None:
 
 
 def _check_ids(name: str, ids: np.ndarray, classes: int | None, what: str) -> None:
-    if not np.issubdtype(ids.dtype, np.integer) or ids.size == 0:
-        return  # the loss itself refuses non-integer ids with a clear error
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo >= 0 and (classes is None or hi < classes):
+    bad = ids_outside(ids, classes)  # non-integer ids: the loss itself refuses them
+    if bad is None:
         return
-    outside = (ids < 0) if classes is None else (ids < 0) | (ids >= classes)
-    bad = np.flatnonzero(outside)
-    first = np.unravel_index(bad[0], ids.shape)
     expected = (
         "they must be >= 0"
         if classes is None
         else f"the model has {classes} outputs, so they must lie in [0, {classes})"
     )
     raise ValueError(
-        f"{name} holds {what} from {lo} to {hi}, but {expected}; {bad.size} are outside "
-        f"(first at index {tuple(int(i) for i in first)}: {int(ids[first])}). JAX would clamp "
-        f"or wrap them silently inside the step. {_BAD_DATA}"
+        f"{name} holds {what} {bad[0]}, but {expected}; {bad[1]}. Inside the step their "
+        f"loss would be NaN. {_BAD_DATA}"
     )
 
 
@@ -194,8 +222,8 @@ def check_batch(loss_fn: Callable[..., Any], model: Any, batch: tuple[Any, ...])
     - For the built-in losses: `cross_entropy`'s labels (`batch[1]`) and
       `next_token_loss`'s token ids (`batch[0]`) lie in `[0, classes)`, with `classes` the
       size of the model's last output axis (from `eqx.filter_eval_shape`, no compute).
-      Inside the step JAX clamps an index that is too large and wraps -1, so such labels
-      train on the wrong class, and targets >= vocab give NaN.
+      Inside the step such ids give a NaN loss (a skipped update), which says less than
+      naming them here.
 
     A user's own loss gets the finiteness check only. Time: one pass over the batch on the
     host (device arrays are copied to the host first), and once per model and sample shape

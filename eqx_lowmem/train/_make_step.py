@@ -1,5 +1,6 @@
 """`make_step`: the checks of its arguments and the `Step` they configure."""
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from .._checks import check_int
 from ..precision._loss_scale import DynamicLossScale, dynamic_loss_scale
 from ..precision._optim import half_state
 from ..precision._policy import Policy, get_policy
@@ -73,7 +75,8 @@ def make_step(
             the micro-batches in order: batch statistics are those of each micro-batch,
             and running averages are updated once per micro-batch (Sohoni et al., 2019,
             Section 3.3: micro-batching changes what BatchNorm normalises over).
-        mesh: a `jax.sharding.Mesh` for data parallelism: the batch is split over
+        mesh: a `jax.sharding.Mesh` for data parallelism (`jax.make_mesh((n,),
+            ("data",))`, whose axes are Explicit, or Auto axes): the batch is split over
             `data_axis`, each device accumulates its micro-batches, and the gradients are
             combined across devices once per update. Across several processes (hosts), call
             `jax.distributed.initialize` first, build the mesh over `jax.devices()` and pass
@@ -86,7 +89,10 @@ def make_step(
             dimension the axis size divides (replicated when none does): memory 1/n of them
             per device, plus one block's gathered weights at a time in scanned stacks;
             communication: an all-gather of each weight per micro-batch forward (and again in
-            the recomputation of the backward) and a reduce-scatter of its gradient.
+            the recomputation of the backward) and a reduce-scatter of its gradient. On
+            Explicit axes the state's arrays are typed as sharded (the step runs with
+            every axis Auto inside); gather a model before calling it yourself:
+            `jax.device_put(model, NamedSharding(mesh, P()))`.
         after_update: a hook `after_update(state, info) -> state`, run inside the jitted
             step on every step, after the update (or its skip, for a non-finite gradient),
             with an `UpdateInfo`: the mean gradient, a fresh key, `grad_fn` for another
@@ -128,6 +134,8 @@ def make_step(
 
     Raises:
         ValueError: for `accumulate < 1`, a `data_axis` not in the mesh, an unknown `shard`.
+            TypeError: for an `after_update` that cannot be called as `(state, info)`
+            (a hook factory passed uncalled).
             The step raises for batches whose arrays differ in length or that are smaller
             than `accumulate`.
 
@@ -165,11 +173,7 @@ def make_step(
 
 
 def _check_args(accumulate, optimizer, mesh, data_axis, shard, after_update) -> None:
-    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
-        raise ValueError(
-            f"accumulate={accumulate!r}; expected an int >= 1 (the number of "
-            "micro-batches each batch is split into)."
-        )
+    check_int("accumulate", accumulate, 1, alternative="micro-batches per batch")
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
             f"optimizer must be an optax.GradientTransformation, got "
@@ -187,15 +191,36 @@ def _check_args(accumulate, optimizer, mesh, data_axis, shard, after_update) -> 
     if shard != "data" and mesh is None:
         raise ValueError(
             f"shard={shard!r} shards over a mesh's {data_axis!r} axis: pass mesh= (e.g. "
-            "jax.sharding.Mesh(jax.devices(), ('data',)))."
+            "jax.make_mesh((jax.device_count(),), ('data',)))."
         )
-    if after_update is not None and not callable(after_update):
-        raise TypeError(f"after_update must be callable, got {type(after_update).__name__}.")
+    if after_update is not None:
+        _check_hook(after_update)
     if jax.process_count() > 1 and mesh is None:
         raise ValueError(
             f"this is one of {jax.process_count()} processes but make_step has no mesh; "
-            "pass mesh=jax.sharding.Mesh(jax.devices(), ('data',)) so they train together."
+            "pass mesh=jax.make_mesh((jax.device_count(),), ('data',)) so they train "
+            "together."
         )
+
+
+def _check_hook(hook: Any) -> None:
+    """`hook` is called as `hook(state, info)`: refuse what cannot be, such as a hook
+    factory passed uncalled (`after_update=el.sparse.dsr` for `el.sparse.dsr()`)."""
+    if not callable(hook):
+        raise TypeError(f"after_update must be callable, got {type(hook).__name__}.")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(hook, "__qualname__", type(hook).__name__)
+        raise TypeError(
+            f"after_update={name} takes {signature}, but the step calls it as "
+            f"after_update(state, info). If {name} makes hooks, pass what it returns: "
+            f"after_update={name}(...) (e.g. after_update=el.sparse.dsr(period=100))."
+        ) from None
 
 
 def _loss_scale(loss_scale: Any, policy: Policy, accumulate_dtype: Any) -> DynamicLossScale | None:

@@ -8,6 +8,7 @@ default for sharded and multi-process runs)."""
 
 import contextlib
 import functools
+import hashlib
 import json
 import numbers
 import os
@@ -25,6 +26,7 @@ import numpy as np
 from ..data import DataStream
 from ._checkpoint import (
     CHECKPOINT_NAME,
+    CheckpointError,
     clean_stale_temporaries,
     load_checkpoint,
     lock_directory,
@@ -124,10 +126,13 @@ def resume(trainer, path: Path, run: Run) -> None:
     settings (unless `check_resume=False`)."""
     engine = trainer._orbax
     meta = read_meta(path) if engine is None else engine.read_meta()
+    _check_meta(path, meta)
     saved = meta.get("run")
     if trainer.check_resume and saved is not None:
         for name, now in run.settings.items():
             before = saved.get(name)
+            if name == "optimizer" and isinstance(before, list):
+                continue  # an earlier version's fingerprint (a list): not comparable
             if before != now:
                 raise ValueError(_changed(path, name, before, now))
     assert trainer.state is not None
@@ -144,6 +149,34 @@ def resume(trainer, path: Path, run: Run) -> None:
     trainer.updates = meta.get("updates", 0)
     run.start = 0
     run.saved = (trainer.updates, json.dumps(run.history), json.dumps(run.partial))
+
+
+# What `save` writes into a checkpoint's metadata, and `resume` reads back.
+_META = {"stream": dict, "history": dict, "partial": dict, "updates": int}  # updates: optional
+_PARTIAL = ("epoch", "sum", "weight", "updates")
+
+
+def _check_meta(path: Path, meta: Any) -> None:
+    """A checkpoint's metadata holds what a resume reads: refused naming what is missing
+    (a header that verifies but was not written by `Trainer.fit`, or was edited)."""
+    wrong = [] if isinstance(meta, dict) else ["the metadata itself (not a JSON object)"]
+    if not wrong:
+        wrong = [
+            f"{k!r} (missing)" if k not in meta else f"{k!r} (a {type(meta[k]).__name__})"
+            for k, kind in _META.items()
+            if (k in meta or k != "updates")
+            and (not isinstance(meta.get(k), kind) or isinstance(meta.get(k), bool))
+        ]
+    if not wrong and not all(k in meta["partial"] for k in _PARTIAL):
+        wrong = [f"'partial' (without {[k for k in _PARTIAL if k not in meta['partial']]})"]
+    if wrong:
+        raise CheckpointError(
+            f"{path}: its metadata cannot be resumed from: {', '.join(wrong)}, where "
+            f"Trainer.fit writes {list(_META)}. It was not written by Trainer.fit, or its "
+            "header was edited. Resume from an older checkpoint in the directory "
+            "(checkpoint-<updates>.ckpt renamed to checkpoint.ckpt), or use a new "
+            "checkpoint_dir."
+        )
 
 
 def settings(trainer, stream: DataStream) -> dict[str, Any]:
@@ -169,50 +202,113 @@ def claim_directory(checkpoint_dir: Path | None):
     process 0 of a multi-process run: the others share its directory)."""
     if checkpoint_dir is None or jax.process_index() != 0:
         return contextlib.nullcontext()
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    fix = "Pass a directory this process can create and write, e.g. checkpoint_dir='runs/run1'."
+    try:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # under /proc or /sys, a read-only filesystem, no permission
+        where = "" if e.filename in (None, str(checkpoint_dir)) else f" ({e.filename})"
+        raise ValueError(
+            f"checkpoint_dir={str(checkpoint_dir)!r} cannot be created: "
+            f"{e.strerror or e}{where}. {fix}"
+        ) from e
+    if not os.access(checkpoint_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} is not writable. {fix}")
     lock = lock_directory(checkpoint_dir)
     clean_stale_temporaries(checkpoint_dir)
     return lock
 
 
-def fingerprint(obj: Any, depth: int = 0, seen: dict[int, Any] | None = None) -> list[str]:
-    """The numbers, flags and function names an optax optimizer closes over, in order.
+def fingerprint(obj: Any) -> dict[str, str]:
+    """What an optax optimizer closes over, by where it sits: every number, flag and
+    string, every array (its shape, dtype and a SHA-256 of all its bytes; small ones
+    written out), and which function sits where (a transformation's identity).
 
     Optax keeps hyperparameters (the learning rate, betas, a schedule's numbers) in the
-    closures of its `init`/`update` functions, so two optimizers built with different
-    numbers give different lists. It cannot see values read from globals at call time.
+    closures of its `init`/`update` functions; a path names each by the functions and
+    closure variables that lead to it, ending in the innermost's `<function>.<variable>`
+    (`...>scale_by_adam.b1`). Two optimizers built with different numbers differ at the
+    paths that say which. It cannot see values read from globals at call time.
     """
-    # Objects seen are kept alive in `seen`, so that their ids are not reused.
-    seen = {} if seen is None else seen
-    if depth > 16 or id(obj) in seen:
-        return []
-    if obj is None or isinstance(obj, (bool, str)):
-        return [repr(obj)]
-    if isinstance(obj, numbers.Number) and not isinstance(obj, np.ndarray):
-        return [repr(obj)]
-    seen[id(obj)] = obj
-    if isinstance(obj, functools.partial):
-        return [obj.func.__qualname__] + fingerprint((obj.args, obj.keywords), depth + 1, seen)
-    if isinstance(obj, types.FunctionType):
-        out = [obj.__qualname__]
-        for cell in obj.__closure__ or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            out += fingerprint(value, depth + 1, seen)
-        return out + fingerprint((obj.__defaults__, obj.__kwdefaults__), depth + 1, seen)
-    if isinstance(obj, (tuple, list)):
-        return [item for value in obj for item in fingerprint(value, depth + 1, seen)]
-    if isinstance(obj, dict):
-        return [
-            item
-            for k in sorted(obj, key=repr)
-            for item in [repr(k), *fingerprint(obj[k], depth + 1, seen)]
-        ]
-    if isinstance(obj, (np.ndarray, jax.Array)):
-        return [f"array{tuple(obj.shape)}:{np.asarray(obj).tobytes().hex()[:64]}"]
-    return [type(obj).__qualname__]
+    found: dict[str, str] = {}
+    seen: dict[int, Any] = {}  # kept alive, so that ids are not reused
+
+    def visit(x: Any, path: str, depth: int) -> None:
+        if depth > 24:
+            return
+        if x is None or isinstance(x, (bool, str)):
+            found[path] = repr(x)
+        elif isinstance(x, numbers.Number) and not isinstance(x, np.ndarray):
+            found[path] = repr(x)
+        elif isinstance(x, (np.ndarray, jax.Array)):
+            found[path] = _array_value(x)
+        elif id(x) in seen:
+            return
+        elif isinstance(x, functools.partial):
+            seen[id(x)] = x
+            found[path] = f"partial({x.func.__qualname__})"
+            owner = _owner(x.func)
+            for i, value in enumerate(x.args):
+                visit(value, f"{path}>{owner}[{i}]", depth + 1)
+            for name in sorted(x.keywords):
+                visit(x.keywords[name], f"{path}>{owner}.{name}", depth + 1)
+        elif isinstance(x, types.FunctionType):
+            seen[id(x)] = x
+            found[path] = x.__qualname__
+            owner, code = _owner(x), x.__code__
+            for name, cell in zip(code.co_freevars, x.__closure__ or (), strict=True):
+                try:
+                    value = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                visit(value, f"{path}>{owner}.{name}", depth + 1)
+            defaults = x.__defaults__ or ()
+            with_defaults = code.co_varnames[code.co_argcount - len(defaults) : code.co_argcount]
+            for name, value in zip(with_defaults, defaults, strict=True):
+                visit(value, f"{path}>{owner}.{name}", depth + 1)
+            for name, value in sorted((x.__kwdefaults__ or {}).items()):
+                visit(value, f"{path}>{owner}.{name}", depth + 1)
+        elif isinstance(x, (tuple, list)):
+            seen[id(x)] = x
+            for i, value in enumerate(x):
+                visit(value, f"{path}[{i}]", depth + 1)
+        elif isinstance(x, dict):
+            seen[id(x)] = x
+            for k in sorted(x, key=repr):
+                visit(x[k], f"{path}[{k!r}]", depth + 1)
+        else:
+            found[path] = type(x).__qualname__
+
+    visit(obj, "optimizer", 0)
+    return found
+
+
+def _owner(fn: Any) -> str:
+    """`scale_by_adam` for `scale_by_adam.<locals>.update_fn`: the function that made it."""
+    parts = getattr(fn, "__qualname__", type(fn).__name__).split(".<locals>.")
+    return parts[-2] if len(parts) > 1 else parts[0]
+
+
+def _array_value(x: Any) -> str:
+    """An array as a fingerprint keeps it: whole (a hash of every byte, 64 bits of it
+    kept), small ones shown."""
+    a = np.asarray(x)
+    text = f"{a.dtype}{list(a.shape)}"
+    if a.size <= 8:
+        return f"{text} {a.tolist()}"
+    digest = hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+    return f"{text} sha256:{digest[:16]}"
+
+
+def _optimizer_diff(before: dict[str, str], now: dict[str, str]) -> str:
+    """The paths where two fingerprints differ, the first three with both values."""
+    paths = [p for p in dict.fromkeys([*before, *now]) if before.get(p) != now.get(p)]
+    shown = [
+        f"{p.rsplit('>', 1)[-1]} was {before.get(p, '(absent)')} then, "
+        f"{now.get(p, '(absent)')} now (at {p})"
+        for p in paths[:3]
+    ]
+    more = f"; and {len(paths) - 3} more" if len(paths) > 3 else ""
+    return "; ".join(shown) + more
 
 
 def _changed(path: Path, name: str, before: Any, now: Any) -> str:
@@ -221,14 +317,8 @@ def _changed(path: Path, name: str, before: Any, now: Any) -> str:
         "micro_batch": "micro_batch (the stream's batch size)",
         "config": "config",
     }.get(name, name)
-    if name == "optimizer" and isinstance(before, list) and isinstance(now, list):
-        diff = next(
-            (i for i, (a, b) in enumerate(zip(before, now, strict=False)) if a != b),
-            min(len(before), len(now)),
-        )
-        old = before[diff] if diff < len(before) else "(nothing)"
-        new = now[diff] if diff < len(now) else "(nothing)"
-        detail = f"{old} then, {new} now"
+    if name == "optimizer" and isinstance(before, dict) and isinstance(now, dict):
+        detail = _optimizer_diff(before, now)
     else:
         detail = f"{before!r} then, {now!r} now"
     return (

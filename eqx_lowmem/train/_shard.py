@@ -8,6 +8,11 @@ all-gathered when the loss is entered, and a scanned stack's (`eqx_lowmem.nn.Sta
 one layer at a time inside the layer's recomputation region (`prepare_layer`), so a gathered
 weight lives for one block and is gathered again, not saved, for the backward pass. The
 transpose of an all-gather is a reduce-scatter: gradients arrive summed and sharded.
+
+Meshes with Explicit axes (`jax.make_mesh`'s default) hold the state where the user's mesh
+says, typed as sharded; the step itself runs with every axis Auto (`in_auto_axes`), since
+its optimizer updates and `after_update` hooks (a sparse layer's cumulative sums, top-k)
+are written for whole arrays, and its collectives are explicit in `shard_map` anyway.
 """
 
 import dataclasses
@@ -18,7 +23,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ..nn._layers import is_stack
 
@@ -31,6 +36,31 @@ def is_arraylike(x: Any) -> bool:
 def is_inexact_like(x: Any) -> bool:
     """A floating (trainable) array or stand-in."""
     return is_arraylike(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def has_explicit_axes(mesh: Mesh | AbstractMesh | None) -> bool:
+    """Whether `mesh` has an axis of type Explicit (as `jax.make_mesh` makes by default)."""
+    return mesh is not None and any(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def auto_mesh(mesh: Mesh) -> Mesh | AbstractMesh:
+    """The mesh the step names inside `in_auto_axes` (its `shard_map` and sharding
+    constraints): `mesh` itself without Explicit axes; otherwise the abstract mesh of
+    `in_auto_axes`'s context, every axis Auto. Abstract, not a second concrete mesh: a
+    program whose arguments sit on one concrete mesh and whose constraints name another
+    does not lower where a primitive needs the devices (a callback)."""
+    if not has_explicit_axes(mesh):
+        return mesh
+    return mesh.abstract_mesh.update_axis_types({a: AxisType.Auto for a in mesh.axis_names})
+
+
+def in_auto_axes(fn: Any, mesh: Mesh | None, out_shardings: Any) -> Any:
+    """`fn` run with every axis of `mesh` Auto (`jax.sharding.auto_axes`): its array
+    arguments enter, and its outputs leave, typed as `out_shardings` say on `mesh`. `fn`
+    itself when `mesh` has no Explicit axis. Arguments and outputs must be arrays (or None)."""
+    if not has_explicit_axes(mesh):
+        return fn
+    return jax.sharding.auto_axes(fn, out_sharding=out_shardings)
 
 
 def shard_dim(shape: tuple[int, ...], n: int, first: int = 0) -> int | None:
@@ -144,7 +174,7 @@ def gather_layer(axis: str):
     return hook
 
 
-def state_shardings(state: Any, mesh: Mesh, axis: str, shard: str) -> Any:
+def state_shardings(state: Any, mesh: Mesh | AbstractMesh, axis: str, shard: str) -> Any:
     """A `NamedSharding` per array leaf of a `TrainState` (None elsewhere): replicated with
     `shard="data"`; with `"fsdp"` the parameters and optimizer state split as `fsdp_layout`
     says, the rest replicated."""
@@ -155,15 +185,24 @@ def state_shardings(state: Any, mesh: Mesh, axis: str, shard: str) -> Any:
 
     replicated = jax.tree.map(lambda x: NamedSharding(mesh, P()) if is_arraylike(x) else None,
                               state)  # fmt: skip
-    if shard != "fsdp":
-        return replicated
-    model_specs = fsdp_layout(state.model, n, axis).specs
-    opt_specs = _opt_specs(state, model_specs, n, axis)
-    return replace_fields(
-        replicated,
-        model=jax.tree.map(named, model_specs, is_leaf=lambda x: isinstance(x, P)),
-        opt_state=jax.tree.map(named, opt_specs, is_leaf=lambda x: isinstance(x, P)),
-    )
+    if shard == "fsdp":
+        model_specs = fsdp_layout(state.model, n, axis).specs
+        opt_specs = _opt_specs(state, model_specs, n, axis)
+        replicated = replace_fields(
+            replicated,
+            model=jax.tree.map(named, model_specs, is_leaf=lambda x: isinstance(x, P)),
+            opt_state=jax.tree.map(named, opt_specs, is_leaf=lambda x: isinstance(x, P)),
+        )
+
+    def full_rank(x, s):
+        # Explicit axes: `P("data", None)`, not `P("data")`, as a step returns its arrays
+        # typed (Auto axes: the short form): jit would compile the step again for the
+        # second call otherwise.
+        if s is None or not is_arraylike(x) or not has_explicit_axes(mesh):
+            return s
+        return NamedSharding(mesh, P(*s.spec, *[None] * (np.ndim(x) - len(s.spec))))
+
+    return jax.tree.map(full_rank, state, replicated, is_leaf=lambda x: x is None)
 
 
 def _opt_specs(state: Any, model_specs: Any, n: int, axis: str) -> Any:

@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jaxtyping import Array, Int, PRNGKeyArray
 
+from .._checks import check_prng_key
 from ..precision._loss_scale import DynamicLossScale
 from ._loss import accepts_key
 
@@ -115,12 +116,9 @@ def check_init(model: Any, key: Any, model_state: Any, *, has_state: bool, loss_
             "make_step(..., has_state=True) needs the model's state: "
             "init(model, key=key, model_state=state), e.g. from eqx.nn.make_with_state."
         )
-    if not (is_key(key) or (isinstance(key, jax.Array) and key.dtype == jnp.uint32)):
-        raise TypeError(
-            f"key must be a JAX PRNG key (jr.PRNGKey(0) or jr.key(0)), got "
-            f"{type(key).__name__} {key!r}."
-        )
+    check_prng_key("key", key)  # what the Trainer's fit accepts
     _check_leaves(model)
+    _check_trainable(model)
     dropout = _dropout_rates(model)
     if dropout and not accepts_key(loss_fn):
         where = ", ".join(f"{p} ({r})" for p, r in dropout[:3])
@@ -131,14 +129,45 @@ def check_init(model: Any, key: Any, model_state: Any, *, has_state: bool, loss_
         )
 
 
+def _deleted(x: Any) -> bool:
+    """A JAX array whose buffer is gone (donated to a step); a traced one has none."""
+    try:
+        return isinstance(x, jax.Array) and x.is_deleted()
+    except jax.errors.ConcretizationTypeError:  # inside eqx.filter_eval_shape(step.init)
+        return False
+
+
 def _check_leaves(model: Any) -> None:
     for path, x in jax.tree_util.tree_leaves_with_path(model):
+        if _deleted(x):
+            raise ValueError(
+                f"model leaf {jax.tree_util.keystr(path)} was deleted: a training step "
+                "donated its buffer (a model taken from a TrainState that a later step or "
+                "fit consumed, such as trainer.state.model). Keep a copy before training "
+                "on: model = jax.tree.map(jnp.copy, model) (trainer.model stays usable)."
+            )
         if isinstance(x, np.ndarray) and x.dtype.kind in "USOV":
             raise TypeError(
                 f"model leaf {jax.tree_util.keystr(path)} is a numpy array of dtype {x.dtype}; "
                 "a model's arrays must be numeric. Mark non-numeric data "
                 "eqx.field(static=True) or keep it outside the model."
             )
+
+
+def _check_trainable(model: Any) -> None:
+    """A model with no floating-point array would train nothing (the step differentiates
+    only those), its loss unchanged however long it runs."""
+    arrays = [x for x in jax.tree.leaves(model) if is_dynamic(x)]
+    if any(jnp.issubdtype(x.dtype, jnp.inexact) for x in arrays):
+        return
+    found = ", ".join(f"{jnp.dtype(x.dtype).name}{list(x.shape)}" for x in arrays[:4])
+    more = f" and {len(arrays) - 4} more" if len(arrays) > 4 else ""
+    raise ValueError(
+        f"the model has no floating-point arrays to train (found "
+        f"{f'{len(arrays)}: {found}{more}' if arrays else 'no arrays at all'}); the step "
+        "differentiates floating-point leaves only, so nothing would change. Make the "
+        "weights floating point (e.g. jnp.asarray(w, jnp.float32))."
+    )
 
 
 def _dropout_rates(model: Any) -> list[tuple[str, float]]:

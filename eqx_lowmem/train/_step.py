@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, PyTree
 
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy
 from ._gradient import batch_sums
-from ._shard import fsdp_layout, state_shardings
+from ._shard import auto_mesh, fsdp_layout, in_auto_axes, state_shardings
 from ._state import (
     Static,
     TrainState,
@@ -73,7 +73,7 @@ class _Config:
     policy: Policy
     loss_scale: DynamicLossScale | None
     has_state: bool
-    mesh: Mesh | None
+    mesh: Mesh | AbstractMesh | None  # abstract in the jitted body's config (`_inner`)
     data_axis: str
     shard: str
     after_update: Callable[[TrainState, UpdateInfo], TrainState] | None
@@ -90,6 +90,10 @@ class Step:
         if not isinstance(config, _Config):
             raise TypeError("build a Step with eqx_lowmem.train.make_step(loss, optimizer, ...).")
         self.config = config
+        # The configuration the jitted body runs with: the mesh with every axis Auto (the
+        # user's mesh places the state, see `_shard.in_auto_axes`).
+        mesh = config.mesh
+        self._inner = config if mesh is None else dataclasses.replace(config, mesh=auto_mesh(mesh))
         # jax.jit over the state's arrays (donated), its non-array part a static argument:
         # unlike eqx.filter_jit, lowering then accepts jax.ShapeDtypeStruct stand-ins, so
         # memory can be analysed without allocating anything.
@@ -168,8 +172,9 @@ class Step:
             model_state: `eqx.nn.State` of a stateful model (`has_state=True`).
 
         Raises:
-            ValueError: without `model_state` for `has_state=True`; for a model with dropout
-                and a loss that takes no `key` (dropout would never apply).
+            ValueError: without `model_state` for `has_state=True`; for a model with no
+                floating-point array (nothing to train); for a model with dropout and a
+                loss that takes no `key` (dropout would never apply).
             TypeError: for a model leaf that is a non-numeric array, or a key that is not one.
         """
         c = self.config
@@ -264,10 +269,9 @@ class Step:
                 )
             else:
                 batch, w = jax.device_put((batch, w), sharding)
-        if not c.jit:
-            return self._step(batch, w, state)
         dynamic, static = split(state)
-        new_dynamic, metrics = self._jitted(batch, w, dynamic, static)
+        run = self._jitted if c.jit else self._step_arrays
+        new_dynamic, metrics = run(batch, w, dynamic, static)
         return merge(new_dynamic, static), metrics
 
     def trace(self, state: TrainState, batch: tuple, weights=None) -> jax.stages.Traced:
@@ -321,17 +325,28 @@ class Step:
         return size
 
     def _step_arrays(self, batch, w, dynamic, static: Static):
-        new_state, metrics = self._step(batch, w, merge(dynamic, static))
-        new_dynamic, new_static = split(new_state)
-        if new_static != static:
-            raise ValueError(
-                "after_update changed the non-array structure of the state; a hook must keep "
-                "every leaf's structure, shape and dtype (rewiring changes values only)."
-            )
-        return new_dynamic, metrics
+        def run(batch, w, dynamic):
+            new_state, metrics = self._step(batch, w, merge(dynamic, static))
+            new_dynamic, new_static = split(new_state)
+            if new_static != static:
+                raise ValueError(
+                    "after_update changed the non-array structure of the state; a hook must "
+                    "keep every leaf's structure, shape and dtype (rewiring changes values "
+                    "only)."
+                )
+            return new_dynamic, metrics
+
+        mesh = self.config.mesh
+        if mesh is None:
+            return run(batch, w, dynamic)
+        # The new state leaves where `init` placed it; the metrics replicated.
+        state = merge(dynamic, static)
+        leaves = jax.tree.structure(state).flatten_up_to(self.state_shardings(state))
+        placed = [s if d is not None else None for d, s in zip(dynamic, leaves, strict=True)]
+        return in_auto_axes(run, mesh, (placed, NamedSharding(mesh, P())))(batch, w, dynamic)
 
     def _step(self, batch, w, state: TrainState):
-        c = self.config
+        c = self._inner
         key, step_key, round_key, hook_key = jr.split(state.key, 4)
         scale = jnp.ones((), jnp.float32) if state.loss_scale is None else state.loss_scale.scale
         sums = batch_sums(c, state.model, state.model_state, batch, w, step_key, scale)
@@ -404,7 +419,9 @@ class Step:
 
     def _constrain(self, state: TrainState) -> TrainState:
         """Keep each array of the new state where `init` placed it (no silent re-layout)."""
-        shardings = self.state_shardings(state)
+        c = self._inner
+        assert c.mesh is not None
+        shardings = state_shardings(state, c.mesh, c.data_axis, c.shard)
         return jax.tree.map(
             lambda x, s: x if s is None else jax.lax.with_sharding_constraint(x, s),
             state, shardings, is_leaf=lambda x: x is None,

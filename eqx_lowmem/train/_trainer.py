@@ -5,6 +5,7 @@ The class and `fit` are here; the rest of a run lives by concern: the training l
 `_evaluate`, the progress bar in `_progress`, and the checks of arguments in `_checks`.
 """
 
+import dataclasses
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,6 @@ from typing import Any, Literal
 import jax.random as jr
 import optax
 from jax.sharding import Mesh
-from jaxtyping import PRNGKeyArray
 
 from ..data import DataStream
 from ..precision._loss_scale import DynamicLossScale
@@ -33,7 +33,7 @@ from ._make_step import make_step
 from ._resume import checkpoints, claim_directory, newest, resume, settings
 from ._run import Run
 from ._signals import sigint
-from ._state import TrainState
+from ._state import TrainState, copy_arrays
 from ._tensorboard import tensorboard
 
 
@@ -46,7 +46,11 @@ class Trainer:
     script resumes bit for bit where the last checkpoint left off.
 
     The Trainer holds the model once, in `trainer.state` (its parameters, optimizer state,
-    PRNG key and loss scale); a second `fit` continues from it.
+    PRNG key and loss scale); a second `fit` continues from it. Its steps donate the state's
+    buffers, so a model read from `trainer.model` (or `model_state`) before a later `fit`
+    would be deleted by it: that `fit` starts from a copy of the model instead, and the
+    one read stays usable (memory: one more copy of the parameters while it is kept;
+    `trainer.state.model` is not copied).
 
     Example:
         >>> import jax.numpy as jnp, jax.random as jr, optax
@@ -66,6 +70,7 @@ class Trainer:
     _interrupted: bool = False
     _orbax: Any = None  # the orbax engine while `fit` runs, with that format
     _writer: Any = None  # the TensorBoard writer while `fit` runs, with `log_dir`
+    _handed_out: TrainState | None = None  # the state `model` last handed out
 
     def __init__(
         self,
@@ -216,16 +221,38 @@ class Trainer:
         self._model = model
         self._model_state = model_state
         self.history: dict[str, list[float]] = {"train_loss": []}
-        self._eval_fn = eval_function(loss, self.step_fn.policy, jit=compile)
+        self._eval_fn = eval_function(loss, self.step_fn.policy, jit=compile, mesh=mesh)
 
     @property
     def model(self) -> Any:
-        """The trained model (parameters in the policy's storage dtype)."""
-        return self._model if self.state is None else self.state.model
+        """The trained model (parameters in the policy's storage dtype). It stays usable
+        after a later `fit` (which then trains a copy)."""
+        if self.state is None:
+            return self._model
+        self._handed_out = self.state
+        return self.state.model
 
     @property
     def model_state(self) -> Any:
-        return self._model_state if self.state is None else self.state.model_state
+        if self.state is None:
+            return self._model_state
+        self._handed_out = self.state
+        return self.state.model_state
+
+    def _held(self) -> tuple[Any, Any]:
+        """`(model, model_state)` for the Trainer's own use (not handed out)."""
+        if self.state is None:
+            return self._model, self._model_state
+        return self.state.model, self.state.model_state
+
+    def _keep_handed_out(self) -> None:
+        """Before steps donate the state: if `model` or `model_state` handed out this
+        state's arrays, train copies of them, so what the caller holds stays usable."""
+        handed, self._handed_out = self._handed_out, None
+        state = self.state
+        if state is not None and handed is state:
+            model, model_state = copy_arrays((state.model, state.model_state))
+            self.state = dataclasses.replace(state, model=model, model_state=model_state)
 
     @property
     def checkpoint_path(self) -> Path | None:
@@ -244,7 +271,7 @@ class Trainer:
         epochs: int | None = None,
         updates: int | None = None,
         micro_batch: int | None = None,
-        key: PRNGKeyArray,
+        key: Any,
         shuffle: bool = True,
         stream: DataStream | None = None,
         eval_data: tuple | DataStream | None = None,
@@ -262,8 +289,9 @@ class Trainer:
                 language models; with `epochs` too, whichever comes first.
             micro_batch: samples per micro-batch (an update uses `accumulate` of them). With
                 a stream: None or the stream's `batch_size`, which is the micro-batch.
-            key: PRNG key: the data order (with `shuffle`), dropout and stochastic
-                rounding derive from it.
+            key: PRNG key (`jr.PRNGKey(0)` or `jr.key(0)`, as `Step.init` takes; checked
+                here with a clear error): the data order (with `shuffle`), dropout and
+                stochastic rounding derive from it.
             shuffle: shuffle the arrays each epoch (a global permutation).
             stream: a `DataStream` to train from instead of arrays; its batches are the
                 micro-batches, `accumulate` of them per update.
@@ -303,6 +331,7 @@ class Trainer:
                     self._model, key=state_key, model_state=self._model_state
                 )
                 self._model = self._model_state = None  # held once, in the state
+            self._keep_handed_out()
             check_model_accepts(self.step_fn, self.loss, self.state, stream)
             run = Run(
                 stream=stream,

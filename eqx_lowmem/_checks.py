@@ -1,0 +1,146 @@
+"""The checks of what users pass, in one place: ints, seeds and PRNG keys, and whether a
+value is concrete (on the host) or traced. Each raises an error that names the argument,
+what was expected, what arrived and the fix."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def check_int(
+    name: str, value: Any, minimum: int, *, none: bool = False, alternative: str = ""
+) -> None:
+    """`value` is an int >= `minimum` (`True` is not an int here), or None with `none`.
+
+    Raises:
+        TypeError: for a value that is not an int. ValueError: for one below `minimum`.
+            Both name `name`, what was expected (and `alternative`) and what arrived.
+    """
+    if value is None and none:
+        return
+    also = "None or " if none else ""
+    expected = f"{name} must be {also}an int >= {minimum}" + (
+        f" ({alternative})" if alternative else ""
+    )
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{expected}, got {value!r}.")
+
+
+def check_seconds(name: str, value: Any) -> None:
+    """`value` is None or a number of seconds > 0.
+
+    Raises:
+        TypeError: for a value that is not a number. ValueError: for one <= 0.
+    """
+    if value is None:
+        return
+    expected = f"{name} must be None or a number of seconds > 0"
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}.")
+    if not value > 0:
+        raise ValueError(f"{expected}, got {value!r}.")
+
+
+def _described(value: Any) -> str:
+    if hasattr(value, "dtype") and hasattr(value, "shape"):
+        return f"an array of dtype {value.dtype} and shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def check_prng_key(name: str, key: Any) -> None:
+    """`key` is one JAX PRNG key: a typed key (`jr.key(0)`, shape `()`) or a raw one
+    (`jr.PRNGKey(0)`: uint32 of shape `(2,)`, or `(4,)` for the `rbg` implementations).
+    What the Trainer's `fit`, `make_step(...).init` and everything drawing JAX random
+    numbers from a user's key accept.
+
+    Raises:
+        TypeError: otherwise, naming `name`; for an int, the key it meant.
+    """
+    if isinstance(key, jax.Array):  # also a traced key (`eqx.filter_eval_shape(step.init)`)
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ():
+            return
+        if key.dtype == jnp.uint32 and key.shape in ((2,), (4,)):
+            return
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        raise TypeError(
+            f"{name}={key!r} is an int; {name} must be a JAX PRNG key: pass "
+            f"{name}=jr.PRNGKey({key}) or jr.key({key})."
+        )
+    if isinstance(key, np.ndarray) and key.dtype == np.uint32 and key.shape in ((2,), (4,)):
+        raise TypeError(
+            f"{name} is a numpy array; {name} must be a JAX PRNG key: pass "
+            f"{name}=jnp.asarray({name}) or jr.PRNGKey(seed)."
+        )
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"{name} must be one JAX PRNG key (shape ()), got keys of shape {key.shape}; "
+            f"pass one of them (e.g. {name}[0])."
+        )
+    raise TypeError(
+        f"{name} must be a JAX PRNG key such as jr.PRNGKey(0) or jr.key(0), got {_described(key)}."
+    )
+
+
+def seed_entropy(name: str, key: Any) -> list[int] | None:
+    """An int seed or a JAX key (`jr.PRNGKey(0)`, `jr.key(0)`) as a list of non-negative
+    ints (what seeds numpy's generators, and what a data stream's state stores); None
+    for None.
+
+    Raises:
+        TypeError: for a bool. ValueError: for a negative seed or an array that is not a
+            key, naming `name`.
+    """
+    if key is None:
+        return None
+    if isinstance(key, (bool, np.bool_)):
+        raise TypeError(
+            f"{name}={key!r}; expected an int seed, jr.PRNGKey(seed) or jr.key(seed) "
+            "(True is not a seed)."
+        )
+    if isinstance(key, (int, np.integer)):
+        key = int(key)
+        if key < 0:
+            raise ValueError(
+                f"{name}={key} is negative; pass a non-negative int seed or a jax key."
+            )
+        return [key]
+    if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    data = np.asarray(key)
+    if data.dtype.kind not in "ui" or data.size == 0 or (data < 0).any():
+        raise ValueError(
+            f"{name} has dtype {data.dtype} and shape {data.shape}; expected an int seed, "
+            "jr.PRNGKey(seed) or jr.key(seed)."
+        )
+    return [int(v) for v in data.ravel()]
+
+
+def concrete(x: Any) -> np.ndarray | None:
+    """`x` as a host array when its values are known here (a numpy array, a JAX array
+    outside any transformation); None inside `jit`, `vmap`, `grad` or `eval_shape`,
+    where a check on values would need a device round trip (and cost in a jitted step)."""
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return None
+
+
+def ids_outside(ids: Any, size: int | None) -> tuple[str, str] | None:
+    """Where `ids` are known here (`concrete`) and some lie outside `[0, size)` (below 0
+    for `size` None): `("from <min> to <max>", "<n> are outside (first at index <i>:
+    <id>)")`. None when they all lie inside, are not integers, or are traced."""
+    a = concrete(ids)
+    if a is None or a.size == 0 or not np.issubdtype(a.dtype, np.integer):
+        return None
+    lo, hi = int(a.min()), int(a.max())
+    if lo >= 0 and (size is None or hi < size):
+        return None
+    outside = (a < 0) if size is None else (a < 0) | (a >= size)
+    bad = np.flatnonzero(outside)
+    first = np.unravel_index(bad[0], a.shape)
+    at = tuple(int(i) for i in first)
+    return f"from {lo} to {hi}", f"{bad.size} are outside (first at index {at}: {int(a[first])})"
