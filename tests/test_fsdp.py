@@ -196,6 +196,19 @@ catch("stateful_odd_batch", stateful)
 result = errors
 """
 
+# memory_report with FSDP on a jax.make_mesh mesh: it traced the micro-batch's loss on the
+# state's sharded types and failed.
+REPORT_EXPLICIT = """
+x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+y = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+model = el.nn.mlp([16, 64, 64, 4], key=jr.PRNGKey(0))
+report = el.memory.memory_report(model, el.train.mse, optax.adam(1e-3), (x, y), mesh=mesh(2),
+                                 shard="fsdp")
+result = {"parameters": report.sizes["parameters"],
+          "whole": sum(a.nbytes for a in jax.tree.leaves(eqx.filter(model, eqx.is_array))),
+          "at_peak": report.at_peak is not None}
+"""
+
 # The issue's example: FSDP on a jax.make_mesh mesh failed before the first update.
 SMALL_TRAINER = """
 X = np.asarray(jr.normal(jr.PRNGKey(0), (32, 4)))
@@ -281,6 +294,7 @@ def quick():
             "equal/float32": _equal("float32", "explicit", shards=("fsdp", "data")),
             "bad_input": BAD_INPUT,
             "small_trainer": SMALL_TRAINER,
+            "report_explicit": REPORT_EXPLICIT,
         }
     )
 
@@ -355,6 +369,13 @@ def test_fsdp_checkpoint_resumes_bit_identically_and_reshards(sections):
     assert result["same_place"]
     assert result["exact"]
     assert result["reshard_diff"] <= 1e-4
+
+
+def test_memory_report_with_fsdp_on_a_make_mesh_mesh(quick):
+    result = _result(quick, "report_explicit")
+    # Per device: half of each parameter (the biases of 4 too), and the peak read.
+    assert result["parameters"] * 2 == result["whole"]
+    assert result["at_peak"]
 
 
 def test_fsdp_bad_input(quick):

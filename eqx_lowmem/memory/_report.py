@@ -92,10 +92,15 @@ def step_report(
     jaxpr, compiled, at_peak = compile_step(step, state, structs)
     figures = memory_figures(compiled)
 
+    # The micro-batch's loss is traced on plain shapes: on a mesh with Explicit axes the
+    # state's types carry their sharding, which a loss outside the step cannot take.
+    plain = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_arrayish(x) else x, state.model
+    )
     residuals, dtypes = micro_residuals(
         loss_fn,
         step.policy,
-        state.model,
+        plain,
         structs,
         granularity=step.granularity,
         model_state=state.model_state,
@@ -119,7 +124,7 @@ def step_report(
     # Each micro-batch's gradient and the accumulator, in the step's accumulate_dtype;
     # the stacks that fold their gradient into the accumulator hold no micro-batch gradient.
     grads = local(eqx.filter(state.model, is_float), "model", step.accumulate_dtype)
-    fused = fused_slots(step, state.model, structs, model_state=state.model_state, key=key)
+    fused = fused_slots(step, plain, structs, model_state=state.model_state, key=key)
     opt = local(state.opt_state, "opt_state")
     grad_bytes = sum(b for _, b in grads)
     fused_bytes = sum(b for n, (_, b) in enumerate(grads) if n in fused)
