@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -177,14 +178,18 @@ def total_steps(cfg: dict) -> int:
     return (cfg["train"] // cfg["batch"]) * cfg["epochs"]
 
 
-def make_config_step(name: str, cfg: dict, precision: str | None = None) -> Any:
-    """The training step of one configuration (`precision` overrides its own). One step
-    serves every seed: the same architecture compiles once."""
+def make_config_step(
+    name: str, cfg: dict, precision: str | None = None, opts: dict | None = None
+) -> Any:
+    """The training step of one configuration (`precision` overrides its own; `opts` are
+    its settings when `name` is not one of this script's). One step serves every seed: the
+    same architecture compiles once."""
+    import jax.numpy as jnp
     import optax
 
     import eqx_lowmem as el
 
-    opts = _opts(name)
+    opts = _opts(name) if opts is None else opts
     total = total_steps(cfg)
     after_update = None
     if opts["density"] is not None and opts.get("rewire", True):
@@ -198,22 +203,25 @@ def make_config_step(name: str, cfg: dict, precision: str | None = None) -> Any:
         has_state=True,
         accumulate=opts["accumulate"],
         precision=precision or opts["precision"],
+        accumulate_dtype=jnp.dtype(opts.get("accumulate_dtype", "float32")),
         after_update=after_update,
     )
 
 
-def init_state(name: str, seed: int, cfg: dict, step: Any) -> Any:
+def init_state(name: str, seed: int, cfg: dict, step: Any, opts: dict | None = None) -> Any:
     """The initial training state of one configuration and seed: for a seed, the dense
-    weights are the same in every configuration (the sparse one keeps 30% of them)."""
+    weights are the same in every configuration of one architecture (the sparse one keeps
+    30% of them). `opts` may set its own `depth` and `width` over `cfg`'s."""
     import equinox as eqx
     import jax.random as jr
 
     import eqx_lowmem as el
 
-    opts = _opts(name)
+    opts = _opts(name) if opts is None else opts
     key = jr.PRNGKey(seed)
+    depth, width = opts.get("depth", cfg["depth"]), opts.get("width", cfg["width"])
     model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
-        cfg["depth"], cfg["width"], 10, key=key, in_channels=1, remat=opts["remat"]
+        depth, width, 10, key=key, in_channels=1, remat=opts["remat"]
     )
     if opts["density"] is not None:
         model = el.sparse.sparsify(
@@ -231,16 +239,24 @@ def _predict(model, state, x):
     import equinox as eqx
     import jax.numpy as jnp
 
+    x = x.astype(model.stem.weight.dtype)  # 16-bit parameters (half_fp16) take 16-bit images
     logits, _ = eqx.nn.inference_mode(model).batched(x, state)  # running statistics
     return jnp.argmax(logits, axis=-1)
 
 
 def train_one(
-    name: str, seed: int, cfg: dict, data: tuple, step: Any = None, precision: str | None = None
+    name: str,
+    seed: int,
+    cfg: dict,
+    data: tuple,
+    step: Any = None,
+    precision: str | None = None,
+    opts: dict | None = None,
 ) -> dict:
-    """Train one configuration on the data with `step` (built here when None); test
-    accuracy after every epoch, the first call's seconds (compilation, when this step has
-    not run before) and the median seconds of the other updates."""
+    """Train one configuration (`opts` as `make_config_step`'s) on the data with `step`
+    (built here when None); test accuracy after every epoch, the first call's seconds
+    (compilation, when this step has not run before) and the median seconds of the other
+    updates."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -249,8 +265,9 @@ def train_one(
     import eqx_lowmem as el
 
     (x_train, y_train), (x_test, y_test) = data
-    step = make_config_step(name, cfg, precision) if step is None else step
-    ts = init_state(name, seed, cfg, step)
+    opts = _opts(name) if opts is None else opts
+    step = make_config_step(name, cfg, precision, opts) if step is None else step
+    ts = init_state(name, seed, cfg, step, opts)
     predict = eqx.filter_jit(_predict)
     steps_per_epoch = len(x_train) // cfg["batch"]
     rng = np.random.default_rng(seed)
@@ -286,7 +303,7 @@ def train_one(
         "step_s": statistics.median(step_s[1:]) if len(step_s) > 1 else None,
         "seconds": time.perf_counter() - t0,
     }
-    if _opts(name)["density"] is not None:
+    if opts["density"] is not None:
         out["density"] = float(el.sparse.density(ts.model))
     return out
 
@@ -357,11 +374,11 @@ def _cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def _launcher() -> list[str]:
-    """The command line that started this script, up to the script itself: a worker starts
+def _launcher(script: Path) -> list[str]:
+    """The command line that started `script`, up to the script itself: a worker starts
     the way this process did (the same interpreter and options, or the `-c` launcher that
     the test suite runs the script under, with its type checking)."""
-    me = Path(__file__).resolve()
+    me = script.resolve()
     for i, arg in enumerate(sys.orig_argv[1:], start=1):
         try:
             if Path(arg).resolve() == me:
@@ -376,11 +393,20 @@ def default_workers(jobs: int) -> int:
     return max(1, min(jobs, len(_cores())))
 
 
-def run_workers(specs: list[dict], workers: int) -> list[dict]:
+def run_workers(
+    specs: list[dict],
+    workers: int,
+    script: str | Path | None = None,
+    run_here: Callable[[dict], dict] | None = None,
+) -> list[dict]:
     """Each of `specs` (`train_seeds`'s arguments `cfg`, `seeds`, `precision`, `names`, and
     a `label` for errors) trained by its own worker process, at most `workers` at a time,
     each pinned to its own core; their runs in the order of `specs`. One worker: all of
     them in this process.
+
+    Another script may run its own workers: `script` is started as `script --worker
+    <spec as JSON with "core" and "out">` and writes its result to `out` (`write_worker`),
+    and `run_here(spec)` is what one worker does in this process.
 
     Why: XLA:CPU runs one small WRN update only 1.2x faster on two cores than on one
     (0.29 s against 0.34 s per update at batch 100, 2026-12-02), so two one-core processes
@@ -389,11 +415,13 @@ def run_workers(specs: list[dict], workers: int) -> list[dict]:
     the others at once and raises, naming the failed specs' labels and exit codes.
     """
     workers = max(1, min(workers, len(specs)))
+    run_here = _train_spec if run_here is None else run_here
     if workers == 1:
-        return [train_seeds(s["cfg"], s["seeds"], s["precision"], s.get("names")) for s in specs]
-    cores, launch = _cores(), [*_launcher(), str(Path(__file__).resolve()), "--worker"]
+        return [run_here(s) for s in specs]
+    script = Path(__file__ if script is None else script).resolve()
+    cores, launch = _cores(), [*_launcher(script), str(script), "--worker"]
     free = [cores[w % len(cores)] for w in range(workers)]
-    with tempfile.TemporaryDirectory(prefix="paper_quality_") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"{script.stem}_") as tmp:
         outs = [Path(tmp) / f"worker{i}.json" for i in range(len(specs))]
         pending, running, failed = list(range(len(specs))), {}, []
         while pending or running:
@@ -413,7 +441,7 @@ def run_workers(specs: list[dict], workers: int) -> list[dict]:
                     proc.kill()
                     proc.wait()
                 raise RuntimeError(
-                    "paper_quality workers failed (their output is above): " + ", ".join(failed)
+                    f"{script.stem} workers failed (their output is above): " + ", ".join(failed)
                 )
             if running:
                 time.sleep(1.0)
@@ -437,15 +465,19 @@ def train_in_workers(cfg: dict, workers: int, precision: str | None = None) -> d
     return {n: {str(s): runs[n][str(s)] for s in cfg["seeds"]} for n in runs}
 
 
-def _worker(spec_json: str) -> int:
-    """A worker of `run_workers`: pinned to its core before JAX starts."""
+def _train_spec(spec: dict) -> dict:
+    return train_seeds(spec["cfg"], spec["seeds"], spec["precision"], spec.get("names"))
+
+
+def write_worker(spec_json: str, run: Callable[[dict], dict]) -> int:
+    """A worker of `run_workers`: pinned to its core before JAX starts, `run(spec)`
+    written to the spec's `out` (atomically)."""
     from eqx_lowmem._io import write_json as atomic_write_json
 
     spec = json.loads(spec_json)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {spec["core"]})
-    runs = train_seeds(spec["cfg"], spec["seeds"], spec["precision"], spec.get("names"))
-    atomic_write_json(spec["out"], runs)
+    atomic_write_json(spec["out"], run(spec))
     return 0
 
 
@@ -622,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run_workers's child
     args = p.parse_args(argv)
     if args.worker is not None:
-        return _worker(args.worker)
+        return write_worker(args.worker, _train_spec)
     if args.workers is not None and args.workers < 1:
         p.error(f"--workers must be at least 1, got {args.workers}")
     for rate in ([args.lr] if args.lr is not None else []) + (args.lrs or []):
