@@ -32,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,14 +183,18 @@ def total_steps(cfg: dict) -> int:
     return (cfg["train"] // cfg["batch"]) * cfg["epochs"]
 
 
-def make_config_step(name: str, cfg: dict, precision: str | None = None) -> Any:
-    """The training step of one configuration (`precision` overrides its own). One step
-    serves every seed: the same architecture compiles once."""
+def make_config_step(
+    name: str, cfg: dict, precision: str | None = None, opts: dict | None = None
+) -> Any:
+    """The training step of one configuration (`precision` overrides its own; `opts` are
+    its settings when `name` is not one of this script's). One step serves every seed: the
+    same architecture compiles once."""
+    import jax.numpy as jnp
     import optax
 
     import eqx_lowmem as el
 
-    opts = _opts(name)
+    opts = _opts(name) if opts is None else opts
     total = total_steps(cfg)
     after_update = None
     if opts["density"] is not None and opts.get("rewire", True):
@@ -203,22 +208,25 @@ def make_config_step(name: str, cfg: dict, precision: str | None = None) -> Any:
         has_state=True,
         accumulate=opts["accumulate"],
         precision=precision or opts["precision"],
+        accumulate_dtype=jnp.dtype(opts.get("accumulate_dtype", "float32")),
         after_update=after_update,
     )
 
 
-def init_state(name: str, seed: int, cfg: dict, step: Any) -> Any:
+def init_state(name: str, seed: int, cfg: dict, step: Any, opts: dict | None = None) -> Any:
     """The initial training state of one configuration and seed: for a seed, the dense
-    weights are the same in every configuration (the sparse one keeps 30% of them)."""
+    weights are the same in every configuration of one architecture (the sparse one keeps
+    30% of them). `opts` may set its own `depth` and `width` over `cfg`'s."""
     import equinox as eqx
     import jax.random as jr
 
     import eqx_lowmem as el
 
-    opts = _opts(name)
+    opts = _opts(name) if opts is None else opts
     key = jr.PRNGKey(seed)
+    depth, width = opts.get("depth", cfg["depth"]), opts.get("width", cfg["width"])
     model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
-        cfg["depth"], cfg["width"], 10, key=key, in_channels=1, remat=opts["remat"]
+        depth, width, 10, key=key, in_channels=1, remat=opts["remat"]
     )
     if opts["density"] is not None:
         model = el.sparse.sparsify(
@@ -236,16 +244,24 @@ def _predict(model, state, x):
     import equinox as eqx
     import jax.numpy as jnp
 
+    x = x.astype(model.stem.weight.dtype)  # 16-bit parameters (half_fp16) take 16-bit images
     logits, _ = eqx.nn.inference_mode(model).batched(x, state)  # running statistics
     return jnp.argmax(logits, axis=-1)
 
 
 def train_one(
-    name: str, seed: int, cfg: dict, data: tuple, step: Any = None, precision: str | None = None
+    name: str,
+    seed: int,
+    cfg: dict,
+    data: tuple,
+    step: Any = None,
+    precision: str | None = None,
+    opts: dict | None = None,
 ) -> dict:
-    """Train one configuration on the data with `step` (built here when None); test
-    accuracy after every epoch, the first call's seconds (compilation, when this step has
-    not run before) and the median seconds of the other updates."""
+    """Train one configuration (`opts` as `make_config_step`'s) on the data with `step`
+    (built here when None); test accuracy after every epoch, the first call's seconds
+    (compilation, when this step has not run before) and the median seconds of the other
+    updates."""
     import equinox as eqx
     import jax
     import jax.numpy as jnp
@@ -254,8 +270,9 @@ def train_one(
     import eqx_lowmem as el
 
     (x_train, y_train), (x_test, y_test) = data
-    step = make_config_step(name, cfg, precision) if step is None else step
-    ts = init_state(name, seed, cfg, step)
+    opts = _opts(name) if opts is None else opts
+    step = make_config_step(name, cfg, precision, opts) if step is None else step
+    ts = init_state(name, seed, cfg, step, opts)
     predict = eqx.filter_jit(_predict)
     steps_per_epoch = len(x_train) // cfg["batch"]
     rng = np.random.default_rng(seed)
@@ -291,7 +308,7 @@ def train_one(
         "step_s": statistics.median(step_s[1:]) if len(step_s) > 1 else None,
         "seconds": time.perf_counter() - t0,
     }
-    if _opts(name)["density"] is not None:
+    if opts["density"] is not None:
         out["density"] = float(el.sparse.density(ts.model))
     return out
 
@@ -360,20 +377,30 @@ def default_workers(jobs: int) -> int:
     return workers_per_core(jobs)
 
 
-def run_workers(specs: list[dict], workers: int) -> list[dict]:
+def run_workers(
+    specs: list[dict],
+    workers: int,
+    script: str | Path | None = None,
+    run_here: Callable[[dict], dict] | None = None,
+) -> list[dict]:
     """Each of `specs` (`train_seeds`'s arguments `cfg`, `seeds`, `precision`, `names`, and
     a `label` for errors) trained by its own worker process, at most `workers` at a time,
     each pinned to its own core (`_common.run_pinned`); their runs in the order of `specs`.
     One worker: all of them in this process.
+
+    Another script may run its own workers: `script` is started as `script --worker
+    <spec as JSON with "core" and "out">` and writes its result to `out` (`_common.pinned_worker`),
+    and `run_here(spec)` is what one worker does in this process.
 
     Why: XLA:CPU runs one small WRN update only 1.2x faster on two cores than on one
     (0.29 s against 0.34 s per update at batch 100, 2026-12-02), so two one-core processes
     side by side train about 1.6x as many updates in the same time.
     """
     workers = max(1, min(workers, len(specs)))
+    run_here = _train_spec if run_here is None else run_here
     if workers == 1:
-        return [train_seeds(s["cfg"], s["seeds"], s["precision"], s.get("names")) for s in specs]
-    return run_pinned(__file__, specs, workers)
+        return [run_here(s) for s in specs]
+    return run_pinned(__file__ if script is None else script, specs, workers)
 
 
 def train_in_workers(cfg: dict, workers: int, precision: str | None = None) -> dict:
@@ -393,11 +420,8 @@ def train_in_workers(cfg: dict, workers: int, precision: str | None = None) -> d
     return {n: {str(s): runs[n][str(s)] for s in cfg["seeds"]} for n in runs}
 
 
-def _worker(spec_json: str) -> int:
-    """A worker of `run_workers`: pinned to its core before JAX starts."""
-    return pinned_worker(
-        spec_json, lambda s: train_seeds(s["cfg"], s["seeds"], s["precision"], s.get("names"))
-    )
+def _train_spec(spec: dict) -> dict:
+    return train_seeds(spec["cfg"], spec["seeds"], spec["precision"], spec.get("names"))
 
 
 def held_out(cfg: dict) -> dict:
@@ -566,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run_workers's child
     args = p.parse_args(argv)
     if args.worker is not None:
-        return _worker(args.worker)
+        return pinned_worker(args.worker, _train_spec)
     if args.workers is not None and args.workers < 1:
         p.error(f"--workers must be at least 1, got {args.workers}")
     for rate in ([args.lr] if args.lr is not None else []) + (args.lrs or []):
