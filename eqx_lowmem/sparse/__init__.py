@@ -20,13 +20,13 @@ from ._convert import (
 from ._layers import (
     SparseConv2d as SparseConv2d,
     SparseLinear as SparseLinear,
-    index_dtype as index_dtype,
     is_sparse as is_sparse,
 )
-from ._rewire import (
+from ._rules import (
     DSRState as DSRState,
     allocate as allocate,
     dsr as dsr,
     rigl as rigl,
     set_ as set_,
 )
+from ._storage import index_dtype as index_dtype
