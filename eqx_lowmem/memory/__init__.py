@@ -1,6 +1,7 @@
 """Where the memory of a training step goes, and which combination of techniques fits."""
 
 from ..train._make_step import SHARDS as SHARDS
+from ._candidates import BudgetError as BudgetError, Candidate as Candidate, Plan as Plan
 from ._cost import (
     THROUGHPUTS as THROUGHPUTS,
     Cost as Cost,
@@ -8,14 +9,7 @@ from ._cost import (
     jaxpr_cost as jaxpr_cost,
     relative_time as relative_time,
 )
-from ._plan import (
-    ACCUMULATES as ACCUMULATES,
-    PRECISIONS as PRECISIONS,
-    BudgetError as BudgetError,
-    Candidate as Candidate,
-    Plan as Plan,
-    plan as plan,
-)
+from ._plan import ACCUMULATES as ACCUMULATES, PRECISIONS as PRECISIONS, plan as plan
 from ._plot import plot_plan as plot_plan, plot_report as plot_report
 from ._report import memory_report as memory_report
 from ._residuals import (

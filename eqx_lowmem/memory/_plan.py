@@ -2,9 +2,6 @@
 budget, fastest."""
 
 import dataclasses
-import json
-import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -16,292 +13,21 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import PRNGKeyArray, PyTree
 
-from .._io import write_json
 from ..nn import PRESETS as REMAT_PRESETS
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy, get_policy
 from ..train._make_step import SHARDS, make_step
-from ._cost import THROUGHPUTS, Throughput, relative_time
+from ._candidates import Candidate, Plan, _choose
+from ._cost import THROUGHPUTS, Throughput
 from ._inspect import batch_structs, precision_name
 from ._measure import time_step
 from ._report import float32_twin, step_report
-from ._result import PART_ADVICE, PART_LABELS, MemoryReport
-from ._units import format_bytes, format_flops, parse_size, remat_text
+from ._result import MemoryReport
+from ._units import format_bytes, parse_size, remat_text
 
 ACCUMULATES: tuple[int, ...] = (1, 2, 4, 8)
 PRECISIONS: tuple[str, ...] = ("float32", "mixed_bf16")
 TARGETS: tuple[str, ...] = ("compiled", "accelerator")
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One combination the planner compiled.
-
-    Attributes:
-        remat: the `remat` given to `make_model` (an `eqx_lowmem.nn.PRESETS` name, a bool,
-            or a `Save`).
-        accumulate: number of micro-batches per batch.
-        precision: the precision preset's name (or the `Policy`'s repr).
-        shard: `"data"` (replicated parameters) or `"fsdp"` (sharded), with a mesh.
-        density: the sparse layers' density (`eqx_lowmem.sparse.sparsify`), None for dense.
-        report: its full `MemoryReport` (per device with a mesh).
-        budget: the budget in bytes it was judged against.
-        target: which peak must fit: `"compiled"` or `"accelerator"`.
-        seconds: the measured median seconds per step with `measure=True`, else None.
-    """
-
-    remat: Any
-    accumulate: int
-    precision: str
-    shard: str
-    density: float | None
-    report: MemoryReport
-    budget: int
-    target: str
-    seconds: float | None = None
-
-    @property
-    def peak_bytes(self) -> int:
-        """The peak compared with the budget: the compiled one, or the GPU/TPU estimate."""
-        r = self.report
-        return r.peak_bytes if self.target == "compiled" else r.accelerator_peak_bytes
-
-    @property
-    def fits(self) -> bool:
-        """`peak_bytes <= budget`."""
-        return self.peak_bytes <= self.budget
-
-    @property
-    def flops(self) -> float:
-        """The step's arithmetic (`report.cost.flops`, every loop counted)."""
-        return self.report.cost.flops
-
-    @property
-    def compute_dtype(self) -> str:
-        """The dtype the forward and backward passes compute in."""
-        return self.report.config["compute_dtype"]
-
-    @property
-    def label(self) -> str:
-        text = (
-            f"remat={remat_text(self.remat)}, accumulate={self.accumulate}, "
-            f"precision={self.precision}"
-        )
-        if self.shard != "data":
-            text += f", shard={self.shard}"
-        if self.density is not None:
-            text += f", density={self.density:g}"
-        return text
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "remat": remat_text(self.remat),
-            "accumulate": self.accumulate,
-            "precision": self.precision,
-            "shard": self.shard,
-            "density": self.density,
-            "peak_bytes": self.peak_bytes,
-            "flops": self.flops,
-            "seconds": self.seconds,
-            "fits": self.fits,
-            "dominant": self.report.dominant[0],
-            "report": self.report.to_dict(),
-        }
-
-
-def rank_device(target: str, backend: str, rank_for: str | Throughput | None) -> str:
-    """The device kind a plan ranks for: `rank_for`, else the backend compiled on, or
-    `"gpu"` when planning on XLA:CPU for an accelerator (`target="accelerator"`)."""
-    if isinstance(rank_for, Throughput):
-        return "custom"
-    if rank_for is not None:
-        return rank_for
-    return "gpu" if target == "accelerator" and backend == "cpu" else backend
-
-
-def _throughput(target: str, backend: str, rank_for: str | Throughput | None) -> Throughput:
-    if isinstance(rank_for, Throughput):
-        return rank_for
-    return THROUGHPUTS.get(rank_device(target, backend, rank_for), THROUGHPUTS["gpu"])
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The planner's answer: the chosen combination and every candidate.
-
-    Attributes:
-        best: the fastest candidate that fits (the densest, with sparse densities).
-        candidates: every candidate compiled, in search order, judged against `budget`.
-        budget: the budget in bytes.
-        target: which peak was compared with the budget: `"compiled"` (the figure of the
-            backend that compiled it) or `"accelerator"` (the GPU/TPU estimate).
-        ranked_by: `"estimate"` (the estimated time on `rank_for`'s device kind) or
-            `"measured"` (seconds per step, timed here).
-        backend: the backend the candidates were compiled (and measured) on.
-        rank_for: the device kind (`"cpu"`, `"gpu"`, `"tpu"`) or `Throughput` the
-            estimate ranks for; None: the backend, or `"gpu"` for `target="accelerator"`
-            on XLA:CPU.
-        skipped: accumulate values left out, with the reason.
-    """
-
-    best: Candidate
-    candidates: tuple[Candidate, ...]
-    budget: int
-    target: str
-    ranked_by: str
-    backend: str
-    rank_for: str | Throughput | None = None
-    skipped: tuple[str, ...] = ()
-
-    def within(self, budget: int | str):
-        """The same candidates chosen under another budget, without compiling again.
-
-        Raises:
-            BudgetError: when none fits `budget`.
-            ValueError: for a measured plan, when a candidate that did not fit the first
-                budget (and so was not timed) fits the new one.
-        """
-        budget_bytes = parse_size(budget)
-        candidates = tuple(
-            dataclasses.replace(c, budget=budget_bytes, target=self.target) for c in self.candidates
-        )
-        untimed = [
-            c for c in candidates if self.ranked_by == "measured" and c.seconds is None and c.fits
-        ]
-        if untimed:
-            raise ValueError(
-                f"{untimed[0].label} fits budget={format_bytes(budget_bytes)} but was not timed "
-                f"(it did not fit the first budget, {format_bytes(self.budget)}); call plan(..., "
-                "measure=True) again with the larger budget."
-            )
-        return _choose(dataclasses.replace(self, candidates=candidates, budget=budget_bytes))
-
-    def estimated(self, c: Candidate) -> float:
-        """`c`'s estimated step time relative to the best's (1.0 for the best)."""
-        rate = _throughput(self.target, self.backend, self.rank_for)
-        best = relative_time(self.best.report.cost, rate)
-        return relative_time(c.report.cost, rate) / max(best, 1e-30)
-
-    def ranking(self) -> str:
-        """What the ranking is based on, in words."""
-        if self.ranked_by == "measured":
-            return f"measured seconds per step on {self.backend}"
-        device = rank_device(self.target, self.backend, self.rank_for)
-        t = _throughput(self.target, self.backend, self.rank_for)
-        return (
-            f"estimated step time on a {device.upper()} from the step's FLOPs (16-bit matrix "
-            f"products at {t.matmul16 / t.matmul32:.2g}x float32's rate, other work at "
-            f"{t.other32 / t.matmul32:.2g}x; measure=True times them instead)"
-        )
-
-    def table(self) -> str:
-        """All candidates, fastest first among those that fit, then those that do not."""
-        timed = self.ranked_by == "measured"
-        sharded = any(c.shard != "data" for c in self.candidates)
-        sparse = any(c.density is not None for c in self.candidates)
-        head = (
-            f"  {'remat':<10}{'accum':>6}  {'precision':<12}"
-            + (f"{'shard':<6}" if sharded else "")
-            + (f"{'density':>8}" if sparse else "")
-            + f"{'peak':>12}{'FLOPs':>10}"
-            + (f"{'s/step':>9}" if timed else f"{'est.':>8}")
-            + f"  {'fits':<5}{'largest part':<22}"
-        )
-        lines = [
-            f"Plan for a budget of {format_bytes(self.budget)} ({self.target} peak"
-            + (", per device" if self.candidates[0].report.config.get("devices", 1) > 1 else "")
-            + f"): {self.best.label}",
-            f"Ranked by {self.ranking()}.",
-            head,
-        ]
-        order = sorted(self.candidates, key=lambda c: (not c.fits, *_rank(c, self)))
-        for c in order:
-            part, n = c.report.dominant
-            mark = " <- best" if c is self.best else ""
-            if timed:
-                speed = f"{c.seconds:>9.4f}" if c.seconds is not None else f"{'-':>9}"
-            else:
-                speed = f"{self.estimated(c):>7.2f}x"
-            lines.append(
-                f"  {remat_text(c.remat):<10}{c.accumulate:>6}  {c.precision:<12}"
-                + (f"{c.shard:<6}" if sharded else "")
-                + (f"{'-' if c.density is None else f'{c.density:g}':>8}" if sparse else "")
-                + f"{format_bytes(c.peak_bytes):>12}{format_flops(c.flops):>10}"
-                + speed
-                + f"  {'yes' if c.fits else 'no':<5}{part + ' ' + format_bytes(n):<22}{mark}"
-            )
-        if not timed:
-            lines.append("  (est.: estimated time relative to the best)")
-        lines += [f"  skipped: {s}" for s in self.skipped]
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "budget": self.budget,
-            "target": self.target,
-            "ranked_by": self.ranked_by,
-            "ranking": self.ranking(),
-            "backend": self.backend,
-            "best": self.candidates.index(self.best),
-            "candidates": [c.to_dict() for c in self.candidates],
-            "skipped": list(self.skipped),
-        }
-
-    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        """The plan as JSON text; with `path`, also written there atomically."""
-        payload = self.to_dict()
-        if path is not None:
-            write_json(path, payload)
-        return json.dumps(payload, indent=2)
-
-
-def _rank(c: Candidate, plan: Plan) -> tuple:
-    """A fixed total order of candidates, so that smaller budgets never pick larger peaks.
-
-    Densest first (sparsity changes the model: a sparser one only when no denser fits);
-    then by measured seconds (`measure=True`) or by the estimated time of the step on the
-    device kind ranked for (`relative_time` of its FLOPs, matrix products and other work,
-    each at its dtype's rate); equal ones go to fewer micro-batches, replicated parameters
-    (no gathers), fewer FLOPs, and the smaller peak.
-    """
-    density = 1.0 if c.density is None else c.density
-    if plan.ranked_by == "measured":
-        speed = c.seconds if c.seconds is not None else math.inf
-    else:
-        speed = relative_time(c.report.cost, _throughput(plan.target, plan.backend, plan.rank_for))
-    return (-density, speed, c.accumulate, SHARDS.index(c.shard), c.flops, c.peak_bytes)
-
-
-def _choose(plan: Plan) -> Plan:
-    """`plan` with its best fitting candidate, or a `BudgetError`."""
-    candidates = plan.candidates
-    fitting = [c for c in candidates if c.fits]
-    if not fitting:
-        smallest = min(candidates, key=lambda c: c.peak_bytes)
-        part, n = smallest.report.dominant
-        raise BudgetError(
-            f"no combination fits budget={format_bytes(plan.budget)} ({plan.budget} bytes): "
-            f"the smallest {plan.target} peak found is {format_bytes(smallest.peak_bytes)}, "
-            f"with {smallest.label}, and its largest part is {PART_LABELS[part]} "
-            f"({format_bytes(n)}, {100 * n / max(smallest.peak_bytes, 1):.0f}%). Raise the "
-            f"budget to at least {format_bytes(smallest.peak_bytes)}, or shrink the "
-            f"{PART_LABELS[part]}: {PART_ADVICE[part]}.",
-            candidates,
-            smallest,
-        )
-    return dataclasses.replace(plan, best=min(fitting, key=lambda c: _rank(c, plan)))
-
-
-class BudgetError(ValueError):
-    """No candidate fits the budget. `candidates` holds them all, `smallest` the lowest peak."""
-
-    def __init__(self, message: str, candidates: tuple[Candidate, ...], smallest: Candidate):
-        super().__init__(message)
-        self.candidates = candidates
-        self.smallest = smallest
 
 
 def _check_accumulates(accumulates: Sequence[Any]) -> None:
@@ -450,6 +176,65 @@ def plan(
         True
     """
     budget_bytes = parse_size(budget)
+    remats, accumulates, precisions, densities, shards = _search_space(
+        remats, accumulates, precisions, densities, mesh, shards, target, rank_for, measure, steps
+    )
+    key = jr.PRNGKey(0) if key is None else key
+    devices = 1 if mesh is None else int(mesh.shape.get(data_axis, 1))
+    structs, size = batch_structs(batch, 1)
+    usable, skipped = _dividing(accumulates, size, devices)
+    total = len(remats) * len(densities) * len(precisions) * len(usable) * len(shards)
+    compiler = _Compiler(loss_fn, optimizer, loss_scale, mesh, data_axis, structs, key, remats)
+
+    candidates = []
+    for i, remat in enumerate(remats):
+        for density in densities:
+            model = eqx.filter_eval_shape(
+                lambda r, d: _sparsify(make_model(r), d, key), remat, density
+            )
+            for precision in precisions:
+                policy = get_policy(precision)
+                for accumulate in usable:
+                    for shard in shards:
+                        t0 = time.perf_counter()
+                        report = compiler.report((i, density), model, accumulate, policy, shard)
+                        c = Candidate(
+                            remat=remat,
+                            accumulate=accumulate,
+                            precision=precision_name(policy),
+                            shard=shard,
+                            density=density,
+                            report=report,
+                            budget=budget_bytes,
+                            target=target,
+                        )
+                        if measure and c.fits:
+                            step = compiler.step(accumulate, policy, shard)
+                            concrete = _sparsify(make_model(remat), density, key)
+                            seconds = time_step(step, concrete, structs, key, steps)
+                            c = dataclasses.replace(c, seconds=seconds)
+                        candidates.append(c)
+                        if progress is not None:
+                            progress(_progress_line(c, len(candidates), total, t0))
+    candidates = tuple(candidates)
+    return _choose(
+        Plan(
+            best=candidates[0],
+            candidates=candidates,
+            budget=budget_bytes,
+            target=target,
+            ranked_by="measured" if measure else "estimate",
+            backend=jax.default_backend(),
+            rank_for=rank_for,
+            skipped=skipped,
+        )
+    )
+
+
+def _search_space(remats, accumulates, precisions, densities, mesh, shards, target, rank_for,
+                  measure, steps) -> tuple[tuple, ...]:  # fmt: skip
+    """`plan`'s arguments checked, as (remats, accumulates, precisions, densities, shards)
+    tuples with the defaults filled in."""
     if target not in TARGETS:
         raise ValueError(f"target={target!r}; expected one of {TARGETS}.")
     if isinstance(rank_for, str) and rank_for not in THROUGHPUTS:
@@ -475,9 +260,12 @@ def plan(
         raise ValueError(f"shards={shards}: {bad[0]!r} is not one of {SHARDS}.")
     if measure and steps < 1:
         raise ValueError(f"steps={steps}; measure=True needs at least one timed step.")
-    key = jr.PRNGKey(0) if key is None else key
-    devices = 1 if mesh is None else int(mesh.shape.get(data_axis, 1))
-    structs, size = batch_structs(batch, 1)
+    return remats, accumulates, precisions, densities, shards
+
+
+def _dividing(accumulates: tuple, size: int, devices: int) -> tuple[list, tuple[str, ...]]:
+    """(the accumulates that divide the batch of `size` over `devices`, why each other one
+    is skipped); a ValueError when none does."""
     skipped = tuple(
         f"accumulate={a}: does not divide the batch of {size}"
         + (f" over {devices} devices" if devices > 1 else "")
@@ -491,99 +279,75 @@ def plan(
             + (f" over {devices} devices" if devices > 1 else "")
             + "; use divisors."
         )
-    total = len(remats) * len(densities) * len(precisions) * len(usable) * len(shards)
+    return usable, skipped
 
-    # Reports by (remat index, density, accumulate, policy, shard): on XLA:CPU a 16-bit
-    # candidate's GPU/TPU estimate needs its float32-compute twin, often a candidate itself.
-    reports: dict[tuple, MemoryReport] = {}
 
-    def step_of(accumulate: int, policy: Policy, shard: str) -> Any:
+@dataclasses.dataclass
+class _Compiler:
+    """The steps and reports of a plan's candidates, each compiled once.
+
+    Reports are kept by (remat index, density, accumulate, policy, shard): on XLA:CPU a
+    16-bit candidate's GPU/TPU estimate needs its float32-compute twin, often a candidate
+    itself."""
+
+    loss_fn: Callable[..., Any]
+    optimizer: optax.GradientTransformation
+    loss_scale: Any
+    mesh: Mesh | None
+    data_axis: str
+    structs: Any
+    key: Any
+    remats: tuple
+    reports: dict[tuple, MemoryReport] = dataclasses.field(default_factory=dict)
+
+    def step(self, accumulate: int, policy: Policy, shard: str) -> Any:
         return make_step(
-            loss_fn,
-            optimizer,
+            self.loss_fn,
+            self.optimizer,
             accumulate=accumulate,
             precision=policy,
-            loss_scale=loss_scale,
-            mesh=mesh,
-            data_axis=data_axis,
+            loss_scale=self.loss_scale,
+            mesh=self.mesh,
+            data_axis=self.data_axis,
             shard=shard,
         )
 
-    def report_of(where: tuple, model: Any, accumulate: int, policy: Policy, shard: str):
+    def report(self, where: tuple, model: Any, accumulate: int, policy: Policy, shard: str):
         index = (*where, accumulate, policy, shard)
-        if index not in reports:
-            step = step_of(accumulate, policy, shard)
+        if index not in self.reports:
+            step = self.step(accumulate, policy, shard)
             twin_policy = float32_twin(step.policy)
             # (The twin's loss scale may differ from the step's: a few bytes of state.)
             twin = (
                 None
                 if twin_policy is None
-                else report_of(where, model, accumulate, twin_policy, shard)
+                else self.report(where, model, accumulate, twin_policy, shard)
             )
             i, density = where
-            name = f"remat={remat_text(remats[i])} x{accumulate} {precision_name(policy)}"
+            name = f"remat={remat_text(self.remats[i])} x{accumulate} {precision_name(policy)}"
             name += f" {shard}" if shard != "data" else ""
             name += f" density={density:g}" if density is not None else ""
-            reports[index] = step_report(
+            self.reports[index] = step_report(
                 step,
-                loss_fn,
+                self.loss_fn,
                 model,
-                structs,
-                key=key,
+                self.structs,
+                key=self.key,
                 name=name,
                 twin=twin,
-                mesh=mesh,
-                data_axis=data_axis,
+                mesh=self.mesh,
+                data_axis=self.data_axis,
                 shard=shard,
             )
-        return reports[index]
+        return self.reports[index]
 
-    candidates = []
-    for i, remat in enumerate(remats):
-        for density in densities:
-            model = eqx.filter_eval_shape(
-                lambda r, d: _sparsify(make_model(r), d, key), remat, density
-            )
-            for precision in precisions:
-                policy = get_policy(precision)
-                for accumulate in usable:
-                    for shard in shards:
-                        t0 = time.perf_counter()
-                        report = report_of((i, density), model, accumulate, policy, shard)
-                        c = Candidate(
-                            remat=remat,
-                            accumulate=accumulate,
-                            precision=precision_name(policy),
-                            shard=shard,
-                            density=density,
-                            report=report,
-                            budget=budget_bytes,
-                            target=target,
-                        )
-                        if measure and c.fits:
-                            step = step_of(accumulate, policy, shard)
-                            concrete = _sparsify(make_model(remat), density, key)
-                            seconds = time_step(step, concrete, structs, key, steps)
-                            c = dataclasses.replace(c, seconds=seconds)
-                        candidates.append(c)
-                        if progress is not None:
-                            progress(
-                                f"[{len(candidates)}/{total}] {c.label}: peak "
-                                f"{format_bytes(c.peak_bytes)}"
-                                + (" (fits)" if c.fits else "")
-                                + (f", {c.seconds:.4f} s/step" if c.seconds is not None else "")
-                                + f" ({time.perf_counter() - t0:.1f} s)"
-                            )
-    candidates = tuple(candidates)
-    return _choose(
-        Plan(
-            best=candidates[0],
-            candidates=candidates,
-            budget=budget_bytes,
-            target=target,
-            ranked_by="measured" if measure else "estimate",
-            backend=jax.default_backend(),
-            rank_for=rank_for,
-            skipped=skipped,
-        )
+
+def _progress_line(c: Candidate, n: int, total: int, t0: float) -> str:
+    """The line `progress` hears of the `n`-th candidate, compiled since `t0`."""
+    return (
+        f"[{n}/{total}] {c.label}: peak "
+        f"{format_bytes(c.peak_bytes)}"
+        + (" (fits)" if c.fits else "")
+        + (f", {c.seconds:.4f} s/step" if c.seconds is not None else "")
+        + f" ({time.perf_counter() - t0:.1f} s)"
     )

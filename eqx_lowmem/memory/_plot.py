@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._io import atomic_write
-from ._plan import Plan
+from ._candidates import Plan
 from ._result import PART_LABELS, PARTS, MemoryReport
 from ._units import remat_text
 
@@ -123,6 +123,27 @@ def _bars(reports: list[MemoryReport], labels: list[str], budget: int | None) ->
     top = max([max(r.peak_bytes, r.measured_peak_bytes or 0) for r in reports] + [budget or 0])
     unit, scale = _unit(top)
     xs = range(len(reports))
+    bottoms = _stacked_parts(ax, reports, scale, top)
+    _peak_lines(ax, reports, bottoms, unit, scale)
+    if budget is not None:
+        ax.axhline(budget / scale, color="#c00000", linestyle=":", linewidth=1.5, label="budget")
+    ax.set_xticks(list(xs), labels, fontsize=9)
+    ax.set_ylabel(f"bytes ({unit})")
+    ax.set_ylim(0, top / scale * 1.12)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    _parts_legend(ax)
+    backends = sorted({r.backend for r in reports})
+    ax.set_title(
+        f"predicted peak (compiled for {', '.join(backends)}), by part, in {unit}", fontsize=10
+    )
+    return fig
+
+
+def _stacked_parts(ax: Any, reports: list[MemoryReport], scale: float, top: int | float) -> list:
+    """One stacked bar per report, a segment per part, each tall one labelled with its
+    size; returns the bars' tops."""
+    xs = range(len(reports))
     bottoms = [0.0] * len(reports)
     for part in PARTS:
         heights = [r.parts[part] / scale for r in reports]
@@ -150,6 +171,13 @@ def _bars(reports: list[MemoryReport], labels: list[str], budget: int | None) ->
                     color="black" if part in ("accumulator", "other") else "white",
                 )
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    return bottoms
+
+
+def _peak_lines(ax: Any, reports: list[MemoryReport], bottoms: list, unit: str, scale: float):
+    """Each bar's peak written above it, and lines at the measured peak and the GPU/TPU
+    estimate where they differ."""
+    xs = range(len(reports))
     for x, r, b in zip(xs, reports, bottoms, strict=True):
         text = f"{r.peak_bytes / scale:.3g} {unit}"
         if r.overlap_bytes:  # parts that XLA overlaps: the bar overshoots the peak
@@ -181,15 +209,12 @@ def _bars(reports: list[MemoryReport], labels: list[str], budget: int | None) ->
                 linewidth=1.2,
                 label="GPU/TPU estimate" if x == 0 else None,
             )
-    if budget is not None:
-        ax.axhline(budget / scale, color="#c00000", linestyle=":", linewidth=1.5, label="budget")
-    ax.set_xticks(list(xs), labels, fontsize=9)
-    ax.set_ylabel(f"bytes ({unit})")
-    ax.set_ylim(0, top / scale * 1.12)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
+
+
+def _parts_legend(ax: Any) -> None:
+    """The legend beside the axes: parts listed top-down as they are stacked, then the
+    lines."""
     handles, names = ax.get_legend_handles_labels()
-    # Parts listed top-down as they are stacked, then the lines.
     parts = [(h, n) for h, n in zip(handles, names, strict=True) if n in PART_LABELS.values()]
     lines = [(h, n) for h, n in zip(handles, names, strict=True) if n not in PART_LABELS.values()]
     ordered = parts[::-1] + lines
@@ -201,11 +226,6 @@ def _bars(reports: list[MemoryReport], labels: list[str], budget: int | None) ->
         fontsize=9,
         frameon=False,
     )
-    backends = sorted({r.backend for r in reports})
-    ax.set_title(
-        f"predicted peak (compiled for {', '.join(backends)}), by part, in {unit}", fontsize=10
-    )
-    return fig
 
 
 def _pies(reports: list[MemoryReport], labels: list[str]) -> Any:
@@ -277,6 +297,32 @@ def plot_plan(
     def cost(c) -> float:
         return float(c.seconds) if measured else plan.estimated(c)
 
+    _candidate_points(ax, points, remats, precisions, cost, scale)
+    _chosen_and_budget(ax, plan, cost(plan.best), unit, scale)
+    handles = [
+        _marker(_REMAT_COLOURS[i % len(_REMAT_COLOURS)], "o", f"remat={r}")
+        for i, r in enumerate(remats)
+    ] + [_marker("#555555", _MARKERS[i % len(_MARKERS)], p) for i, p in enumerate(precisions)]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
+    ax.set_xlabel(
+        "measured seconds per step"
+        if measured
+        else f"estimated step time relative to the chosen one ({plan.ranking().split(' (')[0]})"
+    )
+    ax.set_ylabel(f"{plan.target} peak ({unit})")
+    ax.set_ylim(0, top / scale * 1.18)  # room for the "chosen" label
+    ax.grid(alpha=0.3)
+    ax.set_axisbelow(True)
+    fig.suptitle(
+        title or "Memory against step cost for each candidate (xN: micro-batches)", fontsize=11
+    )
+    _save(fig, path, dpi)
+    return fig
+
+
+def _candidate_points(ax, points: list, remats: list, precisions: list, cost, scale) -> None:
+    """One point per candidate: colour by remat, marker by precision, its micro-batches
+    beside it; those over the budget faded."""
     for c in points:
         colour = _REMAT_COLOURS[remats.index(remat_text(c.remat)) % len(_REMAT_COLOURS)]
         marker = _MARKERS[precisions.index(c.precision) % len(_MARKERS)]
@@ -305,9 +351,13 @@ def plot_plan(
             fontsize=7,
             alpha=1.0 if c.fits else 0.5,
         )
+
+
+def _chosen_and_budget(ax: Any, plan: Plan, x: float, unit: str, scale: float) -> None:
+    """The chosen candidate (at step cost `x`) circled and named, and the budget's line."""
     best = plan.best
     ax.scatter(
-        [cost(best)],
+        [x],
         [best.peak_bytes / scale],
         s=320,
         facecolors="none",
@@ -318,7 +368,7 @@ def plot_plan(
     box = {"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": "#c00000"}
     ax.annotate(
         f"chosen: {best.label}",
-        (cost(best), best.peak_bytes / scale),
+        (x, best.peak_bytes / scale),
         xytext=(0.5, 0.93),
         textcoords="axes fraction",
         ha="center",
@@ -340,25 +390,6 @@ def plot_plan(
         color="#c00000",
         bbox={**box, "edgecolor": "none", "alpha": 0.8},
     )
-    handles = [
-        _marker(_REMAT_COLOURS[i % len(_REMAT_COLOURS)], "o", f"remat={r}")
-        for i, r in enumerate(remats)
-    ] + [_marker("#555555", _MARKERS[i % len(_MARKERS)], p) for i, p in enumerate(precisions)]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
-    ax.set_xlabel(
-        "measured seconds per step"
-        if measured
-        else f"estimated step time relative to the chosen one ({plan.ranking().split(' (')[0]})"
-    )
-    ax.set_ylabel(f"{plan.target} peak ({unit})")
-    ax.set_ylim(0, top / scale * 1.18)  # room for the "chosen" label
-    ax.grid(alpha=0.3)
-    ax.set_axisbelow(True)
-    fig.suptitle(
-        title or "Memory against step cost for each candidate (xN: micro-batches)", fontsize=11
-    )
-    _save(fig, path, dpi)
-    return fig
 
 
 def _marker(colour: str, marker: str, label: str) -> Any:

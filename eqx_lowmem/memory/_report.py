@@ -108,6 +108,72 @@ def step_report(
     )
     groups = group_residuals(residuals, dtypes)
     shardings = step.state_shardings(state) if mesh is not None else None
+    sizes, params, fused, fused_bytes = _sizes(
+        step, state, shardings, plain, structs, size, groups, devices, key
+    )
+    replicated = sum(1 for whole, mine in params if whole == mine and whole > 0)
+    peak = figures["argument"] + figures["output"] + figures["temp"] - figures["alias"]
+    backend = jax.default_backend()
+    compute = step.policy.compute_dtype
+    attention = model_attention(model, compute, backend)
+    remat = model_remat(model)
+    notes = _notes(backend, twin, sizes, peak, devices, shard, replicated, len(params))
+    notes += _step_notes(step, model, figures, attention, remat, len(fused), fused_bytes)
+    if twin is not None:
+        accelerator = twin.peak_bytes - twin.sizes["activations"] + sizes["activations"]
+    else:
+        accelerator = peak
+    if backend == "cpu":
+        trusted = {"cpu": "peak_bytes", "gpu": "accelerator_peak_bytes"}
+    else:
+        trusted = {backend: "peak_bytes"}
+
+    measured = None
+    if measure:
+        measured = measure_peak(step, model, structs, model_state, key)
+        trusted = {**trusted, backend: "measured_peak_bytes"}
+
+    config = _config(step, model, state, structs, name, remat, attention, devices, shard)
+    device = jax.devices()[0]
+    return MemoryReport(
+        sizes=sizes,
+        compiled=figures,
+        activations=groups,
+        accelerator_peak_bytes=accelerator,
+        trusted=trusted,
+        notes=tuple(notes),
+        backend=backend,
+        device=str(getattr(device, "device_kind", device)),
+        config=config,
+        cost=jaxpr_cost(jaxpr),
+        measured_peak_bytes=measured,
+        at_peak=None if at_peak is None else at_peak.parts(),
+    )
+
+
+def _config(step, model, state, structs, name, remat, attention, devices, shard) -> dict:
+    """The report's `config`: what was compiled, as the report names it."""
+    return {
+        "name": name,
+        "accumulate": step.accumulate,
+        "accumulate_dtype": step.accumulate_dtype.name,
+        "fuse_accumulation": bool(step.config.fuse_accumulation and step.accumulate > 1),
+        "precision": precision_name(step.policy),
+        "compute_dtype": str(jnp.dtype(step.policy.compute_dtype)),
+        "remat": remat,
+        "attention": attention,
+        "density": model_density(model),
+        "devices": devices,
+        "shard": shard,
+        "batch": [(list(x.shape), str(x.dtype)) for x in jax.tree.leaves(structs)],
+        "parameters": sum(x.size for x in jax.tree.leaves(state.model) if is_float(x)),
+    }
+
+
+def _sizes(step, state, shardings, plain, structs, size, groups, devices, key) -> tuple:
+    """The bytes of each part on one device, then each parameter's (whole bytes, bytes on
+    one device), the gradient arrays whose micro-batch gradient fused accumulation does not
+    hold, and their bytes."""
 
     def local(tree: Any, part: str, dtype: Any = None) -> list[tuple[int, int]]:
         """(whole bytes, bytes on one device) of each array of `state.<part>`."""
@@ -136,15 +202,17 @@ def step_report(
         "activations": sum(g.nbytes for g in groups),
         "batch": (tree_bytes(structs) + 4 * size) // devices,
     }
-    replicated = sum(1 for whole, mine in params if whole == mine and whole > 0)
-    peak = figures["argument"] + figures["output"] + figures["temp"] - figures["alias"]
+    return sizes, params, fused, fused_bytes
+
+
+def _step_notes(step, model, figures, attention, remat, fused: int, fused_bytes: int) -> list:
+    """The notes on what the step's techniques do to its figures: fused accumulation,
+    16-bit gradients, attention on XLA:CPU against a GPU, offloading."""
+    notes = []
     backend = jax.default_backend()
-    compute = step.policy.compute_dtype
-    attention = model_attention(model, compute, backend)
-    notes = _notes(backend, twin, sizes, peak, devices, shard, replicated, len(params))
     if fused_bytes:
         notes.append(
-            f"Fused accumulation: {len(fused)} arrays of scanned, recomputed stacks "
+            f"Fused accumulation: {fused} arrays of scanned, recomputed stacks "
             f"({fused_bytes / 2**20:.1f} MiB of gradient) fold each layer's gradient into the "
             "accumulator in their backward loop, so no micro-batch gradient of them is held "
             "(make_step(fuse_accumulation=True)); the gradients part counts the rest."
@@ -156,22 +224,14 @@ def step_report(
             "accumulator as it is, converting each value to float32 where it is used (no "
             "float32 copy of the gradient is stored)."
         )
-    if twin is not None:
-        accelerator = twin.peak_bytes - twin.sizes["activations"] + sizes["activations"]
-    else:
-        accelerator = peak
     if backend == "cpu":
-        trusted = {"cpu": "peak_bytes", "gpu": "accelerator_peak_bytes"}
-        on_gpu = model_attention(model, compute, "gpu")
+        on_gpu = model_attention(model, step.policy.compute_dtype, "gpu")
         if attention and on_gpu and on_gpu != attention:
             here, there = _choices(attention), _choices(on_gpu)
             notes.append(
                 f"Attention: on XLA:CPU {here}; on a CUDA GPU {there}, with other "
                 "temporaries: compile there for its figure."
             )
-    else:
-        trusted = {backend: "peak_bytes"}
-    remat = model_remat(model)
     if backend == "cpu" and remat is not None and "offload" in remat:
         notes.append(
             "Offloading: XLA:CPU drops the host placement of offloaded names (the same "
@@ -183,42 +243,7 @@ def step_report(
             "Host memory: offloaded activations live in pinned host memory between the forward "
             "and the backward pass; they are not in the device peak."
         )
-
-    measured = None
-    if measure:
-        measured = measure_peak(step, model, structs, model_state, key)
-        trusted = {**trusted, backend: "measured_peak_bytes"}
-
-    config = {
-        "name": name,
-        "accumulate": step.accumulate,
-        "accumulate_dtype": step.accumulate_dtype.name,
-        "fuse_accumulation": bool(step.config.fuse_accumulation and step.accumulate > 1),
-        "precision": precision_name(step.policy),
-        "compute_dtype": str(jnp.dtype(compute)),
-        "remat": remat,
-        "attention": attention,
-        "density": model_density(model),
-        "devices": devices,
-        "shard": shard,
-        "batch": [(list(x.shape), str(x.dtype)) for x in jax.tree.leaves(structs)],
-        "parameters": sum(x.size for x in jax.tree.leaves(state.model) if is_float(x)),
-    }
-    device = jax.devices()[0]
-    return MemoryReport(
-        sizes=sizes,
-        compiled=figures,
-        activations=groups,
-        accelerator_peak_bytes=accelerator,
-        trusted=trusted,
-        notes=tuple(notes),
-        backend=backend,
-        device=str(getattr(device, "device_kind", device)),
-        config=config,
-        cost=jaxpr_cost(jaxpr),
-        measured_peak_bytes=measured,
-        at_peak=None if at_peak is None else at_peak.parts(),
-    )
+    return notes
 
 
 def _choices(attention: dict[str, str]) -> str:

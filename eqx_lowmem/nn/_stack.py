@@ -267,25 +267,11 @@ class Stack(eqx.Module):
         pf = [leaves[n] for n in floats]
         po = [leaves[n] for n in others]
         acc = fusion.accumulators(slots)
-        fold, hook = fusion.fold, active_hook()
+        fold = fusion.fold
         units = _Units.of(self.n_layers, self.segment)
         seg, n_full, rest, start = units.seg, units.n_full, units.rest, units.start
         split, tail = units.split, units.tail
-        # The hooks read the stack's static fields only: no array of it enters the loops.
-        shell = eqx.tree_at(lambda s: s.blocks, self, static)
-
-        def unit(pf_u, po_u, h, s, k, first):
-            arrays: list[Any] = [None] * len(leaves)
-            for n, a in zip(floats, pf_u, strict=True):
-                arrays[n] = a
-            for n, a in zip(others, po_u, strict=True):
-                arrays[n] = a
-            p = treedef.unflatten(arrays)
-            with exact_hook(hook):
-                if seg is None:
-                    return Stack._layer(shell, p, static, h, s, k, first, batch)
-                return Stack._run_blocks(shell, p, static, h, s, k, first, batch)
-
+        unit = self._fused_unit(static, treedef, floats, others, seg, batch)
         firsts = jnp.arange(n_full) * (seg or 1)
 
         def forward(pf, po, x, state, key, keep):
@@ -349,6 +335,28 @@ class Stack(eqx.Module):
         out = run(pf, acc, x, po, state, key)
         fusion.commit(slots)
         return out
+
+    def _fused_unit(self, static, treedef, floats, others, seg, batch) -> Callable:
+        """`unit(pf_u, po_u, h, s, key, first)` of `_fused`: one block (`seg` None) or one
+        segment of blocks from its floating parameters `pf_u` (leaves `floats` of
+        `treedef`) and the others `po_u` (leaves `others`), under the active layer hook."""
+        hook = active_hook()
+        # The hooks read the stack's static fields only: no array of it enters the loops.
+        shell = eqx.tree_at(lambda s: s.blocks, self, static)
+
+        def unit(pf_u, po_u, h, s, k, first):
+            arrays: list[Any] = [None] * (len(floats) + len(others))
+            for n, a in zip(floats, pf_u, strict=True):
+                arrays[n] = a
+            for n, a in zip(others, po_u, strict=True):
+                arrays[n] = a
+            p = treedef.unflatten(arrays)
+            with exact_hook(hook):
+                if seg is None:
+                    return Stack._layer(shell, p, static, h, s, k, first, batch)
+                return Stack._run_blocks(shell, p, static, h, s, k, first, batch)
+
+        return unit
 
     def _run_segments(self, params, static, x, state, key, batch):
         """Chen et al. (2016): keep each segment's input only; recompute a segment at a time."""
