@@ -18,6 +18,7 @@ most accurate configuration that fits.
 
     python benchmarks/frontier.py             # the full grid (about 45 minutes, 2 cores)
     python benchmarks/frontier.py --quick     # a smoke test (the test suite runs it)
+    python benchmarks/frontier.py --configs fp32 combined --train 60000 --name frontier_long
 """
 
 import argparse
@@ -317,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, 4 configurations")
     p.add_argument("--out", default=str(RESULTS), help="directory for the JSON and plot")
+    p.add_argument("--name", default="frontier", help="file name of the JSON and plot")
     for field in ("train", "test", "epochs", "batch"):
         p.add_argument(f"--{field}", type=int, help=f"override the run's {field}")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="a part of the grid")
@@ -338,12 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     result = run_frontier(cfg, names, args.workers)
     result["wall_seconds"] = time.perf_counter() - _START
     out = Path(args.out)
-    suffix = "_quick" if args.quick else ""
+    name = args.name + ("_quick" if args.quick else "")
     print("\n".join(result["budget_table"]))
     print(json.dumps(result["goal"], indent=1))
     print(f"whole run: {result['wall_seconds']:.0f} s")
-    write_json(f"frontier{suffix}", result, out)
-    plot_frontier(result, out / f"frontier{suffix}.png")
+    write_json(name, result, out)
+    plot_frontier(result, out / f"{name}.png")
     return 0
 
 
