@@ -51,6 +51,7 @@ class Watched(NamedTuple):
     size: int
     mtime_ns: int
     inode: int
+    data_offset: int  # where the array's bytes start (after the .npy header)
 
     def check(self) -> None:
         try:
@@ -117,7 +118,7 @@ def _open_npy(path: Path, i: int) -> tuple[np.ndarray, Watched]:
     array = np.load(path, mmap_mode="r", allow_pickle=False)
     # A plain ndarray over the same mapping: np.memmap's per-slice bookkeeping costs more
     # than copying a small batch, and the mapping stays alive through `.base`.
-    watched = Watched(i, path, st.st_size, st.st_mtime_ns, st.st_ino)
+    watched = Watched(i, path, st.st_size, st.st_mtime_ns, st.st_ino, offset)
     return array.view(np.ndarray), watched
 
 
