@@ -357,8 +357,12 @@ class _NoKeyModel(eqx.Module):
     [
         (dict(checkpoint_dir="FILE"), None, ValueError, "is a file"),
         # Under /proc nothing can be created: named, before any work.
-        (dict(checkpoint_dir="/proc/eqx_lowmem_run"), None, ValueError,
-         r"checkpoint_dir='/proc/eqx_lowmem_run' cannot be created: .*runs/run1"),  # fmt: skip
+        (
+            dict(checkpoint_dir="/proc/eqx_lowmem_run"),
+            None,
+            ValueError,
+            r"checkpoint_dir='/proc/eqx_lowmem_run' cannot be created: .*runs/run1",
+        ),  # fmt: skip
         # (jaxtyping and beartype, on in the tests, see some first: their errors also name
         # the argument, the value and what was expected.)
         ({}, dict(key=0), TypeError, r"key=0 is an int.*jr.PRNGKey\(0\)|parameter 'key'"),
