@@ -11,10 +11,13 @@ the README cannot drift from its measurement: rerun a benchmark, then this scrip
 
 import argparse
 import json
+import math
 import re
+import statistics
 import sys
 import textwrap
 from collections.abc import Callable
+from decimal import ROUND_HALF_UP, Decimal
 from functools import cache
 from pathlib import Path
 
@@ -336,6 +339,278 @@ def checkpoint() -> str:
     )
 
 
+# ------------------------------------------------------------ the paper's accuracy comparison
+
+FASHION_TRAIN, FASHION_TEST = 60_000, 10_000  # Fashion-MNIST's images
+QUALITY_MINUTES = 30  # issue 12's budget for `benchmarks/paper_quality.py` on 2 cores
+_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+
+
+def _word(n: int) -> str:
+    return _WORDS[n] if n < len(_WORDS) else f"{n:,}"
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+def _all(n: int, whole: int) -> str:
+    return f"all {n:,}" if n == whole else f"{n:,}"
+
+
+def _acc(*runs: dict) -> Decimal:
+    """The mean final accuracy of `runs` in percent, exact: the JSON holds each as a short
+    decimal (images right out of 10,000), so a mean such as 90.275 rounds half up as a
+    reader rounds it, not as its binary float happens to."""
+    finals = [Decimal(str((r.get("test_accuracy") or r["validation_accuracy"])[-1])) for r in runs]
+    return 100 * sum(finals) / len(finals)
+
+
+def _pc(value: Decimal) -> str:
+    """A percentage or a difference in points, to two places: 91.42."""
+    return str(value.quantize(Decimal("0.01"), ROUND_HALF_UP))
+
+
+def _accs(runs: dict) -> str:
+    """Each seed's final accuracy: 91.42% and 91.56%."""
+    return _and([f"{_pc(_acc(r))}%" for r in runs.values()])
+
+
+def _span(values: list[float], digits: int = 2) -> str:
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def _means(runs: dict) -> tuple[Decimal, Decimal]:
+    """FP32 dense's and the combination's mean final accuracy over the seeds, in percent."""
+    return _acc(*runs["baseline_fp32"].values()), _acc(*runs["combined"].values())
+
+
+def _steps(runs: dict) -> str:
+    """The seeds' seconds per update: 0.37-0.40 s."""
+    return _span([r["step_s"] for r in runs.values()]) + " s"
+
+
+def _same(a: dict, b: dict, fields: tuple[str, ...], what: str) -> None:
+    """Raise unless two runs' configurations agree on `fields`: the text compares them."""
+    differ = [f for f in fields if a.get(f) != b.get(f)]
+    if differ:
+        raise ValueError(f"{what}: the JSON files' configurations differ in {differ}.")
+
+
+def _uses(c: dict, batch: int, *, long: bool = False) -> list[str]:
+    """What a configuration of `benchmarks/paper_quality.py` turns on, in words."""
+    out = []
+    if c["precision"] == "mixed_fp16":
+        out.append("FP16 compute with a dynamic loss scale" if long else "FP16")
+    elif c["precision"] != "float32":
+        out.append(c["precision"])
+    if c["remat"]:
+        out.append(c["remat"])
+    if c["accumulate"] > 1:
+        k = c["accumulate"]
+        out.append(
+            f"{k} micro-batches of {batch // k}" if long else f"micro-batches of {batch // k}"
+        )
+    if c["density"] is not None:
+        d = f"{c['density']:.0%}"
+        out.append(f"{d} of the 3x3 convolutions with DSR" if long else f"{d} DSR")
+    return out
+
+
+def _variant(c: dict, of: dict) -> str:
+    """How a `--sparse-variants` configuration differs from the combination `of`."""
+    words = {
+        "distribution": lambda v: f"the {of['density']:.0%} spread by {v.upper()}",
+        "slack": lambda v: f"slack {v}",
+        "rewire": lambda v: "rewiring" if v else "no rewiring",
+        "dsr_fraction": lambda v: f"DSR's pruning fraction at {v}",
+    }
+    return _and([words[k](v) for k, v in c.items() if k not in of])
+
+
+@cache
+def _wrn_parameters(depth: int, width: int) -> int:
+    """The parameters of the script's WideResNet (one input channel, ten classes), counted
+    from its shapes: no weights are drawn."""
+    sys.path.insert(0, str(ROOT))  # the checkout, installed or not
+    import equinox as eqx
+    import jax
+
+    import eqx_lowmem as el
+
+    make = eqx.nn.make_with_state(el.nn.WideResNet)
+    shapes, _ = eqx.filter_eval_shape(make, depth, width, 10, key=jax.random.key(0), in_channels=1)
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes) if hasattr(x, "shape"))
+
+
+def _quality_result() -> str:
+    d, sel = result("paper_quality"), result("paper_quality_lr")
+    cfg, runs = d["config"], d["runs"]
+    if sel["selected_lr"] != cfg["lr"]:
+        raise ValueError(
+            f"paper_quality.json trained at lr {cfg['lr']}, but paper_quality_lr.json selected "
+            f"{sel['selected_lr']}."
+        )
+    base, comb = runs["baseline_fp32"], runs["combined"]
+    base_mean, comb_mean = _means(runs)
+    loss = {n: statistics.mean(r["train_loss"][-1] for r in runs[n].values()) for n in runs}
+    skipped = _and([_word(n) for n in sorted({r["skipped_updates"] for r in comb.values()})])
+    density = _and(sorted({f"{r['density']:.3f}" for r in comb.values()}))
+    held = sel["config"]
+    rates = [f"{_pc(_acc(sel['runs'][str(lr)]))}%" for lr in sel["candidates"]]
+    return paragraph(
+        f"**The paper's accuracy comparison** (`benchmarks/paper_quality.py`, "
+        f"`benchmarks/results/paper_quality.json` and `.png`, {date('paper_quality')}). A "
+        f"WRN-{cfg['depth']}-{cfg['width']} ({_wrn_parameters(cfg['depth'], cfg['width']):,} "
+        f"parameters) on {_all(cfg['train'], FASHION_TRAIN)} Fashion-MNIST training images for "
+        f"{cfg['epochs']} epochs ({cfg['train'] // cfg['batch'] * cfg['epochs']:,} updates of "
+        f"batch {cfg['batch']}), tested on {_all(cfg['test'], FASHION_TEST)} test images; "
+        f"momentum SGD 0.9 with a cosine decay from a learning rate of {cfg['lr']}, weight "
+        f"decay 5e-4; {_word(len(cfg['seeds']))} seeds, each with the same initial weights and "
+        f"image order in both configurations. The rate was chosen before any test image was "
+        f"seen (`--select-lr`, `paper_quality_lr.json`, {date('paper_quality_lr')}): the FP32 "
+        f"baseline trained on {held['train']:,} training images at "
+        f"{_and([str(lr) for lr in sel['candidates']])} reached {_and(rates)} on the "
+        f"{held['test']:,} held out. FP32 dense: {_accs(base)} (mean {_pc(base_mean)}%). The "
+        f"paper's combination "
+        f"({', '.join(_uses(d['configs']['combined'], cfg['batch'], long=True))}): "
+        f"{_accs(comb)} (mean {_pc(comb_mean)}%), **{_pc(base_mean - comb_mean)} points "
+        f"lower** ("
+        + unmet(d["within_half_a_point"], "the goal of at most 0.5 points")
+        + "). The combination's training loss stays "
+        f"{'higher' if loss['combined'] > loss['baseline_fp32'] else 'lower'} "
+        f"({loss['combined']:.2f} against {loss['baseline_fp32']:.2f} in the last epoch). "
+        f"{skipped.capitalize()} updates per run were skipped by the loss scale, and the "
+        f"density was {density} at the end."
+    )
+
+
+def _quality_longer() -> str:
+    d, long = result("paper_quality"), result("paper_quality_6epochs")
+    cfg, lcfg = d["config"], long["config"]
+    _same(cfg, lcfg, ("depth", "width", "train", "test", "seeds", "batch", "lr"), "6 epochs")
+    base, comb = long["runs"]["baseline_fp32"], long["runs"]["combined"]
+    base_mean, comb_mean = _means(long["runs"])
+    faster = [
+        d["runs"][n][s]["step_s"] / r["step_s"]
+        for n, by_seed in long["runs"].items()
+        for s, r in by_seed.items()
+    ]
+    twice = lcfg["epochs"] == 2 * cfg["epochs"]
+    return paragraph(
+        f"{'Twice the training' if twice else 'Longer training'}: {lcfg['epochs']} epochs "
+        f"({lcfg['train'] // lcfg['batch'] * lcfg['epochs']:,} updates, "
+        f"`--epochs {lcfg['epochs']}`, `paper_quality_6epochs.json` and `.png`, "
+        f"{date('paper_quality_6epochs')}, {long['wall_seconds']:,.0f} s on a machine "
+        f"{_span(faster, 1)}x faster per update than the one above: FP32 {_steps(base)}, the "
+        f"combination {_steps(comb)}) reached {_accs(base)} in FP32 (mean {_pc(base_mean)}%) "
+        f"and {_accs(comb)} with the combination (mean {_pc(comb_mean)}%), a gap of "
+        f"{_pc(base_mean - comb_mean)} points ("
+        + unmet(long["within_half_a_point"], "the goal of at most 0.5 points")
+        + f"); the default stays at {cfg['epochs']} epochs so that the script fits "
+        f"{QUALITY_MINUTES} minutes on the slower machine too."
+    )
+
+
+def _quality_ablation() -> str:
+    d, ab = result("paper_quality"), result("paper_quality_ablation")
+    cfg, acfg = d["config"], ab["config"]
+    _same(cfg, acfg, ("depth", "width", "train", "test", "epochs", "batch", "lr"), "ablation")
+    seed = str(acfg["seeds"][0])
+    fp32, comb = _acc(d["runs"]["baseline_fp32"][seed]), _acc(d["runs"]["combined"][seed])
+    acc = {n: _acc(by_seed[seed]) for n, by_seed in ab["runs"].items()}
+    uses = {n: _uses(c, cfg["batch"]) for n, c in ab["configs"].items()}
+    alone = sorted((n for n in acc if len(uses[n]) == 1), key=acc.get, reverse=True)
+    dense = "combined_dense"
+    worst = max(fp32 - acc[n] for n in alone)
+    rest = [u for u in _uses(d["configs"]["combined"], cfg["batch"]) if u not in uses[dense]]
+    # How far two seeds of one configuration land apart, at 3 epochs and at 6.
+    seeds = [
+        [_acc(run) for run in by_seed.values()]
+        for j in (d, result("paper_quality_6epochs"))
+        for by_seed in j["runs"].values()
+    ]
+    spread = [max(a) - min(a) for a in seeds]
+    return paragraph(
+        f"Each technique alone at the same settings (`--ablation`, seed {seed}, "
+        f"`paper_quality_ablation.json`, {date('paper_quality_ablation')}), against FP32's "
+        f"{_pc(fp32)}% for that seed: "
+        + ", ".join(f"{uses[n][0]} {_pc(acc[n])}%" for n in alone)
+        + f", and the combination without its sparsity ({_and(uses[dense])}) "
+        f"{_pc(acc[dense])}%, against {_pc(comb)}% with it. "
+        + (
+            f"No technique alone costs 0.5 points (at most {_pc(worst)})"
+            if worst < Decimal("0.5")
+            else f"A technique alone costs up to {_pc(worst)} points"
+        )
+        + f"; the {_word(len(uses[dense]))} dense ones together cost {_pc(fp32 - acc[dense])} "
+        f"and the {_and(rest)} {_pc(acc[dense] - comb)} more; "
+        f"one seed only, where two seeds of one configuration differ by {_pc(min(spread))} to "
+        f"{_pc(max(spread))} points."
+    )
+
+
+def _quality_sparse() -> str:
+    sp, sel = result("paper_quality_sparse"), result("paper_quality_lr")
+    cfg, configs = sp["config"], sp["configs"]
+    fields = ("depth", "width", "train", "test", "epochs", "batch", "validation", "seeds")
+    _same(cfg, sel["config"], fields, "sparse variants and learning rates")
+    seed = str(cfg["seeds"][0])
+    acc = {n: _acc(by_seed[seed]) for n, by_seed in sp["runs"].items()}
+    comb, dense = "combined", "combined_dense"
+    variants = [n for n in acc if n not in (comb, dense)]
+    sparse = [acc[n] for n in (comb, *variants)]
+    cost, spread = acc[dense] - acc[comb], max(sparse) - min(sparse)
+    pct = f"{configs[comb]['density']:.0%}"
+    return paragraph(
+        f"How DSR places and moves the {pct} "
+        f"{'does not decide its cost' if spread < cost else 'changes its cost'} "
+        f"(`--sparse-variants`, seed {seed}, scored on the {cfg['test']:,} held-out training "
+        f"images of `--select-lr`, `paper_quality_sparse.json`, "
+        f"{date('paper_quality_sparse')}): the combination reached {_pc(acc[comb])}%, without "
+        f"its sparsity {_pc(acc[dense])}% (FP32 there: "
+        f"{_pc(_acc(sel['runs'][str(cfg['lr'])]))}%); "
+        + _and([f"{_pc(acc[n])}% with {_variant(configs[n], configs[comb])}" for n in variants])
+        + f", all within {_pc(spread)} points of one another. At this size and length the "
+        f"{pct} itself costs {_pc(cost)} points."
+    )
+
+
+def _quality_time() -> str:
+    d, t = result("paper_quality"), result("paper_quality_timing")
+    runs, wall = d["runs"], d["wall_seconds"]
+    fp32, fp16, bf16 = (
+        f"{t['steps'][k]['step_s']:.2f} s"
+        for k in ("baseline_fp32", "combined_fp16", "combined_bf16")
+    )
+    own = d["workers"] == len(d["config"]["seeds"])
+    return paragraph(
+        f"The script took {wall:,.0f} s ({wall / 60:.0f} minutes) of wall time on the "
+        f"{d['environment']['cpu_count']} cores ("
+        + unmet(wall <= 60 * QUALITY_MINUTES, f"the goal of at most {QUALITY_MINUTES} minutes")
+        + "): "
+        + (
+            "each seed trains in its own worker process pinned to one core"
+            if own
+            else f"the seeds train in {d['workers']} worker processes, each pinned to one core"
+        )
+        + ", because XLA:CPU gains little from a second core within one update. Per update "
+        f"there, on one core each: FP32 {_steps(runs['baseline_fp32'])}, the combination "
+        f"{_steps(runs['combined'])}. `--timing-only` (`paper_quality_timing.json`, "
+        f"{date('paper_quality_timing')}; the median of a few updates of batch "
+        f"{t['config']['batch']}, in one process): FP32 {fp32} per update, the combination "
+        f"{fp16} in FP16 and {bf16} in bf16."
+    )
+
+
+def quality() -> str:
+    """The paper's accuracy comparison (`benchmarks/paper_quality.py`): the main run, 6
+    epochs, the ablation, DSR's variants and the time, from its six JSON files."""
+    parts = [_quality_result, _quality_longer, _quality_ablation, _quality_sparse, _quality_time]
+    return "\n\n".join(part() for part in parts)
+
+
 def _images(n: int) -> str:
     return "one image" if n == 1 else f"{n} images"
 
@@ -407,6 +682,7 @@ SECTIONS: dict[str, Callable[[], str]] = {
     "precision": precision,
     "data": data,
     "main-job": main_job,
+    "quality": quality,
 }
 
 
