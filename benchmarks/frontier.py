@@ -283,7 +283,8 @@ def plot_frontier(result: dict, path: Path) -> None:
 
     rows = result["rows"]
     front = [r for name in result["pareto_front"] for r in rows if r["config"] == name]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    labels: dict[tuple[float, float], list[str]] = {}  # rows at one point share a label
     for r in rows:
         peak, acc = r["compiled_peak_bytes"] / MB, 100 * r["test_accuracy"]
         seeds = [100 * run["test_accuracy"][-1] for run in r["runs"].values()]
@@ -292,8 +293,10 @@ def plot_frontier(result: dict, path: Path) -> None:
             peak, acc, yerr=[[acc - min(seeds)], [max(seeds) - acc]], fmt="o", color=color,
             capsize=2,
         )  # fmt: skip
-        ax.annotate(r["config"], (peak, acc), textcoords="offset points", xytext=(4, 3),
-                    fontsize=7)  # fmt: skip
+        labels.setdefault((round(peak, 2), round(acc, 3)), []).append(r["config"])
+    ax.set_xscale("log")
+    ax.autoscale_view()
+    _place_labels(ax, labels)
     ax.step(
         [r["compiled_peak_bytes"] / MB for r in front],
         [100 * r["test_accuracy"] for r in front],
@@ -301,7 +304,6 @@ def plot_frontier(result: dict, path: Path) -> None:
     )  # fmt: skip
     ax.plot([], [], "o", color="C0", label="dense")
     ax.plot([], [], "o", color="C3", label="sparse (DSR)")
-    ax.set_xscale("log")
     cfg = result["config"]
     ax.set_xlabel(f"compiled peak of the training step, MB (batch {cfg['batch']}, XLA:CPU)")
     ax.set_ylabel(f"test accuracy, % ({cfg['test']:,} images; bars: 2 seeds)")
@@ -312,6 +314,25 @@ def plot_frontier(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _place_labels(ax, labels: dict[tuple[float, float], list[str]]) -> None:
+    """Each point's label beside it, moved down in steps until it overlaps no label placed
+    before it (points taken from the right, where the grid's rows crowd)."""
+    placed: list[tuple[float, float, float, float]] = []  # label boxes, display pixels
+    for (x, y), names in sorted(labels.items(), key=lambda kv: (-kv[0][0], -kv[0][1])):
+        text = " = ".join(names)
+        px, py = ax.transData.transform((x, y))
+        width, height = 4.4 * len(text), 9.0
+        dy = 3.0
+        while any(
+            px + 4 < bx + bw and bx < px + 4 + width and py + dy < by + bh and by < py + dy + height
+            for bx, by, bw, bh in placed
+        ):
+            dy -= 10.0
+        placed.append((px + 4, py + dy, width, height))
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, dy), fontsize=7,
+                    arrowprops=None if dy == 3.0 else {"arrowstyle": "-", "lw": 0.4})  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

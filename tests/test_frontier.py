@@ -159,3 +159,21 @@ def test_quick_frontier_run_writes_rows_front_table_and_plot(tmp_path):
             ), name
     assert result["budget_table"] == frontier.budget_table(result)
     assert [g["combination"] for g in result["goal"]] == ["combined"]
+
+
+def test_the_committed_frontier_is_what_its_rows_give():
+    # benchmarks/results/frontier.json: the front, the budget table (which the README
+    # prints) and the goal recomputed from its rows; a hand edit of any of them fails here.
+    frontier = _frontier()
+    result = json.loads((ROOT / "benchmarks" / "results" / "frontier.json").read_text())
+    rows = result["rows"]
+    assert len(rows) >= 10 and all(len(r["runs"]) == 2 for r in rows)  # the grid
+    for r in rows:
+        final = [run["test_accuracy"][-1] for run in r["runs"].values()]
+        assert r["test_accuracy"] == pytest.approx(sum(final) / 2, abs=1e-12)
+        assert r["test_accuracy_spread"] == pytest.approx(max(final) - min(final), abs=1e-12)
+        assert r["compiled_peak_bytes"] == r["memory"]["peak"]
+    assert result["pareto_front"] == frontier.pareto_front(rows)
+    assert result["budget_table"] == frontier.budget_table(result)
+    combinations = [g["combination"] for g in result["goal"]]
+    assert result["goal"] == [frontier.goal(rows, c) for c in combinations]
