@@ -736,6 +736,24 @@ def frontier() -> str:
             f"BatchNorm temporaries and gradients outweigh what recomputation frees "
             f"(`memory_report`'s `at_peak`, read by hand, not in the JSON)."
         )
+    long = {r["config"]: r for r in result("frontier_long")["rows"]}
+    if {"fp32", "combined"} <= set(long) and {"fp32", "combined"} <= set(by):
+
+        def gap(rows: dict) -> str:
+            points = 100 * (rows["fp32"]["test_accuracy"] - rows["combined"]["test_accuracy"])
+            return f"{points:+.2f} points"
+
+        lc = result("frontier_long")["config"]
+        findings.append(
+            f"Trained longer (`--configs fp32 combined --train {lc['train']} --name "
+            f"frontier_long`, `frontier_long.json`, {date('frontier_long')}: "
+            f"{long['fp32']['trained']['updates']} updates), FP32 reached "
+            f"{100 * long['fp32']['test_accuracy']:.2f}% and the combination "
+            f"{100 * long['combined']['test_accuracy']:.2f}%, FP32 ahead by {gap(long)} "
+            f"(spreads {100 * long['fp32']['test_accuracy_spread']:.2f} and "
+            f"{100 * long['combined']['test_accuracy_spread']:.2f}), against {gap(by)} at "
+            f"{updates} updates; the paper's gap is 0.4 points."
+        )
     goal_text += "\n\n" + paragraph(" ".join(findings))
     if "combined_micro1" in by and "combined" in by:
         one, ten = by["combined_micro1"], by["combined"]
