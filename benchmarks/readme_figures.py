@@ -669,10 +669,9 @@ def paper_tables() -> str:
 
 def frontier() -> str:
     """Accuracy against compiled peak (`benchmarks/frontier.py`): every row, the budget
-    table the JSON holds, and the goal at each combination's memory."""
+    table the JSON holds, the goal at each combination's memory, and what the grid found."""
     d = result("frontier")
     cfg, rows = d["config"], sorted(d["rows"], key=lambda r: r["compiled_peak_bytes"])
-    front = set(d["pareto_front"])
     updates = rows[0]["trained"]["updates"]
     head = paragraph(
         f"**Accuracy against memory** (`benchmarks/frontier.py`, {date('frontier')}; "
@@ -685,6 +684,17 @@ def frontier() -> str:
         f"run {d['wall_seconds'] / 60:.0f} minutes on {d['workers']} cores. Rows on the "
         f"Pareto front (no smaller configuration is as accurate) are marked."
     )
+    budget = "Per memory budget, the most accurate configuration that fits (from the front):"
+    goal = paragraph("The goal's question, " + "; ".join(map(_frontier_goal, d["goal"])) + ".")
+    by = {r["config"]: r for r in rows}
+    return "\n".join(
+        [head, "", *_frontier_rows(rows, set(d["pareto_front"])), "", budget, "",
+         *d["budget_table"], "", goal, "", *_frontier_findings(by, cfg, updates)]
+    )  # fmt: skip
+
+
+def _frontier_rows(rows: list[dict], front: set[str]) -> list[str]:
+    """The frontier's rows as a Markdown table, in order of compiled peak."""
     table = [
         "| configuration | uses | compiled MB | test accuracy | spread (2 seeds) "
         "| s / update | front |",
@@ -697,31 +707,32 @@ def frontier() -> str:
             f"| {100 * r['test_accuracy']:.2f}% | {100 * r['test_accuracy_spread']:.2f} "
             f"| {step} | {'yes' if r['config'] in front else ''} |"
         )
-    goals = []
-    for g in d["goal"]:
-        better = g["dense_better_by_more_than_spread"]
-        fit = ", ".join(
-            f"`{name}` {100 * acc:.2f}%" for name, acc in sorted(g["dense_that_fit"].items())
-        )
-        goals.append(
-            f"at `{g['combination']}`'s compiled peak ({g['compiled_peak_bytes'] / MB:.1f} MB, "
-            f"{100 * g['test_accuracy']:.2f}%) the dense configurations that fit are "
-            f"{fit or 'none'}; "
-            + (
-                "none is more accurate by more than the seeds' spread"
-                if not better
-                else "**more accurate by more than the seeds' spread: "
-                + ", ".join(f"`{b}`" for b in better)
-                + "** (a dense model in the same memory beats the combination here)"
-            )
-        )
-    tail = paragraph(
-        "Per memory budget, the most accurate configuration that fits (from the front): "
+    return table
+
+
+def _frontier_goal(g: dict) -> str:
+    """One combination's goal: the dense rows that fit in its memory, and any that beat it."""
+    better = g["dense_better_by_more_than_spread"]
+    fit = ", ".join(f"`{n}` {100 * a:.2f}%" for n, a in sorted(g["dense_that_fit"].items()))
+    verdict = (
+        "none is more accurate by more than the seeds' spread"
+        if not better
+        else "**more accurate by more than the seeds' spread: "
+        + ", ".join(f"`{b}`" for b in better)
+        + "** (a dense model in the same memory beats the combination here)"
     )
-    goal_text = paragraph("The goal's question, " + "; ".join(goals) + ".")
-    by = {r["config"]: r for r in rows}
-    spreads = [r["test_accuracy_spread"] for r in rows if r["test_accuracy"] > 0.5]
-    findings = [
+    return (
+        f"at `{g['combination']}`'s compiled peak ({g['compiled_peak_bytes'] / MB:.1f} MB, "
+        f"{100 * g['test_accuracy']:.2f}%) the dense configurations that fit are "
+        f"{fit or 'none'}; {verdict}"
+    )
+
+
+def _frontier_findings(by: dict, cfg: dict, updates: int) -> list[str]:
+    """Paragraphs on what the grid found: the seeds' spread, recomputation at this depth,
+    the longer run (`frontier_long.json`), and micro-batches of one image."""
+    spreads = [r["test_accuracy_spread"] for r in by.values() if r["test_accuracy"] > 0.5]
+    found = [
         f"Two seeds of one configuration differ by up to {100 * max(spreads):.2f} points, "
         f"more than most differences between the rows: at {updates} updates the frontier "
         f"ranks memory exactly and accuracy coarsely."
@@ -729,24 +740,24 @@ def frontier() -> str:
     if {"fp32", "checkpoint1", "minimal"} <= set(by):
         base = by["fp32"]["compiled_peak_bytes"]
         moved = max(abs(by[n]["compiled_peak_bytes"] - base) for n in ("checkpoint1", "minimal"))
-        findings.append(
+        found.append(
             f"Recomputation alone saves nothing at this depth: `checkpoint1` and `minimal` "
             f"compile to within {moved / 1e3:.1f} KB of `fp32`'s peak, which falls in the "
             f"backward pass of the first, full-resolution block, where that block's "
             f"BatchNorm temporaries and gradients outweigh what recomputation frees "
             f"(`memory_report`'s `at_peak`, read by hand, not in the JSON)."
         )
-    long = {r["config"]: r for r in result("frontier_long")["rows"]}
-    if {"fp32", "combined"} <= set(long) and {"fp32", "combined"} <= set(by):
+    long_run = result("frontier_long")
+    long = {r["config"]: r for r in long_run["rows"]}
+    if {"fp32", "combined"} <= set(long) & set(by):
 
         def gap(rows: dict) -> str:
             points = 100 * (rows["fp32"]["test_accuracy"] - rows["combined"]["test_accuracy"])
             return f"{points:+.2f} points"
 
-        lc = result("frontier_long")["config"]
-        findings.append(
-            f"Trained longer (`--configs fp32 combined --train {lc['train']} --name "
-            f"frontier_long`, `frontier_long.json`, {date('frontier_long')}: "
+        found.append(
+            f"Trained longer (`--configs fp32 combined --train {long_run['config']['train']} "
+            f"--name frontier_long`, `frontier_long.json`, {date('frontier_long')}: "
             f"{long['fp32']['trained']['updates']} updates), FP32 reached "
             f"{100 * long['fp32']['test_accuracy']:.2f}% and the combination "
             f"{100 * long['combined']['test_accuracy']:.2f}%, FP32 ahead by {gap(long)} "
@@ -754,23 +765,26 @@ def frontier() -> str:
             f"{100 * long['combined']['test_accuracy_spread']:.2f}), against {gap(by)} at "
             f"{updates} updates; the paper's gap is 0.4 points."
         )
-    goal_text += "\n\n" + paragraph(" ".join(findings))
-    if "combined_micro1" in by and "combined" in by:
+    paragraphs = [paragraph(" ".join(found))]
+    if {"combined_micro1", "combined"} <= set(by):
         one, ten = by["combined_micro1"], by["combined"]
-        goal_text += "\n\n" + paragraph(
-            f"Micro-batches of one image are what brings the WRN-28-2 combination under the "
-            f"paper's 60.7x in compiled memory (the tables above), and here they cost "
-            f"{100 * (ten['test_accuracy'] - one['test_accuracy']):.1f} points against "
-            f"micro-batches of {cfg['batch'] // ten['opts']['accumulate']} "
-            f"({100 * one['test_accuracy']:.2f}% against {100 * ten['test_accuracy']:.2f}%). "
-            f"The likely cause, not isolated by a measurement: each micro-batch's "
-            f"BatchNorm normalizes one image over its own pixels, so the "
-            f"last BatchNorm before the global average pool removes most of what the pool "
-            f"would tell the classifier, and the running statistics used at test time "
-            f"average single images. A model with per-micro-batch BatchNorm should not go "
-            f"below a few images per micro-batch."
-        )
-    return "\n".join([head, "", *table, "", tail, "", *d["budget_table"], "", goal_text])
+        paragraphs += [
+            "",
+            paragraph(
+                f"Micro-batches of one image are what brings the WRN-28-2 combination under "
+                f"the paper's 60.7x in compiled memory (the tables above), and here they cost "
+                f"{100 * (ten['test_accuracy'] - one['test_accuracy']):.1f} points against "
+                f"micro-batches of {cfg['batch'] // ten['opts']['accumulate']} "
+                f"({100 * one['test_accuracy']:.2f}% against "
+                f"{100 * ten['test_accuracy']:.2f}%). The likely cause, not isolated by a "
+                f"measurement: each micro-batch's BatchNorm normalizes one image over its own "
+                f"pixels, so the last BatchNorm before the global average pool removes most "
+                f"of what the pool would tell the classifier, and the running statistics used "
+                f"at test time average single images. A model with per-micro-batch BatchNorm "
+                f"should not go below a few images per micro-batch."
+            ),
+        ]
+    return paragraphs
 
 
 SECTIONS: dict[str, Callable[[], str]] = {

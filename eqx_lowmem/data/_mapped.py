@@ -81,6 +81,8 @@ class MappedRows:
         # Each sample as byte runs from the start of its row: one run for a contiguous
         # sample, one per element otherwise (a Fortran-ordered file), in C order.
         sample = array[0]
+        # Rows that follow one another with no gap: a slice of them is one run.
+        self._rows_contiguous = sample.flags.c_contiguous and sample.nbytes == self._row_stride
         if sample.flags.c_contiguous:
             self._runs = np.zeros(1, np.int64)
             self._run_bytes = sample.nbytes
@@ -105,7 +107,7 @@ class MappedRows:
 
     def slice(self, start: int, stop: int) -> np.ndarray:
         """Rows `start:stop` as a fresh array: one run when rows are contiguous."""
-        if self._runs.size == 1 and self._run_bytes == self._row_stride:
+        if self._rows_contiguous:
             out = np.empty((stop - start, *self._sample_shape), self._dtype)
             if out.nbytes:
                 self._copy(np.array([start * self._row_stride], np.int64), out, out.nbytes)

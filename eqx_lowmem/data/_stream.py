@@ -30,6 +30,11 @@ _GROUP_BATCHES = 8
 _GROUP_BATCH_BYTES = 32 << 10
 
 
+def _slice_copy(x: np.ndarray) -> Callable[[int, int], np.ndarray]:
+    """A function copying rows `start:stop` of `x` into a fresh array."""
+    return lambda start, stop: x[start:stop].copy()
+
+
 def _is_int(x: Any) -> bool:
     """An int that is not a bool (`True` is an int to Python, never a size here)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
@@ -450,18 +455,16 @@ class DataStream:
         n, size = arrays[0].shape[0], self.batch_size
         num_batches = self.num_batches
         assert num_batches is not None
+        # Copies of rows start:stop, chosen once per epoch rather than per batch.
+        slices = [
+            self._mapped[i].slice if i in self._mapped else _slice_copy(x)
+            for i, x in enumerate(arrays)
+        ]
         for k in range(start, num_batches):
             self._check_files()
             first = k * size
             lo, hi = self._local(min(size, n - first))
-            batch = tuple(
-                [
-                    self._mapped[i].slice(first + lo, first + hi)
-                    if i in self._mapped
-                    else x[first + lo : first + hi].copy()
-                    for i, x in enumerate(arrays)
-                ]
-            )
+            batch = tuple([copy(first + lo, first + hi) for copy in slices])
             yield batch, k == num_batches - 1
 
     def _groups(
