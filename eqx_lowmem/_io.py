@@ -128,20 +128,21 @@ def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2) -> 
 
 
 def _is_token(token: str) -> bool:
-    """The random part of a temporary's name: ours (16 hex digits) or `tempfile.mkstemp`'s
-    (8 of `[a-z0-9_]`, what earlier versions wrote)."""
-    if len(token) == 16:
-        return all(c in "0123456789abcdef" for c in token)
-    return len(token) == 8 and all(c.isascii() and (c.isalnum() or c == "_") for c in token)
+    """The random part of a temporary's name as `atomic_write` makes it: 16 hex digits.
+    (Eight-character `tempfile.mkstemp` names are other programs': never ours to delete.)"""
+    return len(token) == 16 and all(c in "0123456789abcdef" for c in token)
 
 
-def clean_stale_temporaries(directory: str | os.PathLike, name: str | None = None) -> list[Path]:
+def clean_stale_temporaries(
+    directory: str | os.PathLike, name: str | Callable[[str], bool] | None = None
+) -> list[Path]:
     """Delete the temporaries that killed writers left in `directory`.
 
-    Only files named as `atomic_write` names them (`.<name>.<16 hex digits>.tmp`, or the
-    8-character `tempfile.mkstemp` names earlier versions used) are removed, and with
-    `name` only those of that destination. Call it when no other writer uses the directory
-    (e.g. while holding `eqx_lowmem.train.lock_directory`).
+    Only files named as `atomic_write` names them (`.<name>.<16 hex digits>.tmp`) are
+    removed; with `name` (a destination's name, or a test of one) only those of the
+    destinations it names. Call it only while no other writer can use the directory (e.g.
+    while holding `eqx_lowmem.train.lock_directory`): a live writer's temporary looks the
+    same as a dead one's.
 
     Returns:
         The paths removed.
@@ -149,6 +150,7 @@ def clean_stale_temporaries(directory: str | os.PathLike, name: str | None = Non
     directory = Path(directory)
     if not directory.is_dir():
         return []
+    wanted = (lambda stem: stem == name) if isinstance(name, str) else name
     removed = []
     for p in directory.iterdir():
         n = p.name
@@ -157,9 +159,9 @@ def clean_stale_temporaries(directory: str | os.PathLike, name: str | None = Non
         stem, _, token = n[1 : -len(TEMP_SUFFIX)].rpartition(".")
         if not stem or not _is_token(token):
             continue
-        if name is not None and stem != name:
+        if wanted is not None and not wanted(stem):
             continue
-        if p.is_file():
+        if p.is_file() and not p.is_symlink():
             p.unlink(missing_ok=True)
             removed.append(p)
     return sorted(removed)

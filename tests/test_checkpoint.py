@@ -105,10 +105,10 @@ def test_atomic_write_bytes_callable_and_errors(tmp_path):
 def test_clean_stale_temporaries_removes_only_writer_temporaries(tmp_path):
     stale = [
         tmp_path / f".{CHECKPOINT_NAME}.0123456789abcdef.tmp",
-        tmp_path / f".{CHECKPOINT_NAME}.k2_9xq0a.tmp",  # tempfile.mkstemp's, earlier versions
         tmp_path / ".report.json.fedcba9876543210.tmp",
     ]
     kept = [
+        tmp_path / f".{CHECKPOINT_NAME}.k2_9xq0a.tmp",  # tempfile.mkstemp's: another program's
         tmp_path / CHECKPOINT_NAME,
         tmp_path / "notes.tmp",
         tmp_path / ".hidden.tmp",
@@ -116,8 +116,9 @@ def test_clean_stale_temporaries_removes_only_writer_temporaries(tmp_path):
     ]
     for p in stale + kept:
         p.write_bytes(b"x" * 100)
-    assert clean_stale_temporaries(tmp_path, CHECKPOINT_NAME) == sorted(stale[:2])
-    assert clean_stale_temporaries(tmp_path) == [stale[2]]
+    assert clean_stale_temporaries(tmp_path, CHECKPOINT_NAME) == stale[:1]
+    assert clean_stale_temporaries(tmp_path, lambda n: n.endswith(".json")) == [stale[1]]
+    assert clean_stale_temporaries(tmp_path) == []
     assert sorted(tmp_path.iterdir()) == sorted(kept)
     assert clean_stale_temporaries(tmp_path / "missing") == []
 

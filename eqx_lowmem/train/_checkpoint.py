@@ -525,11 +525,13 @@ def lock_directory(directory: str | os.PathLike) -> Iterator[Path]:
     """Hold `directory` for one run: a second process (or a second holder in this one)
     gets `DirectoryLockedError` naming the holder, instead of both writing checkpoints.
 
-    Creates the directory. The lock is `fcntl.flock` on `directory / LOCK_NAME`, which holds
-    the holder's pid and host; the operating system releases it when the process exits,
-    however it exits (SIGKILL included), so a stale lock file does not block the next run.
-    Not enforced on Windows (no `fcntl`) or on filesystems where `flock` is local to one
-    host (some NFS set-ups); with several processes of one run, lock on process 0 only.
+    Creates the directory. The lock is `fcntl.flock` on the directory itself (deleting a
+    file by hand cannot release it) and on `directory / LOCK_NAME`, which holds the
+    holder's pid and host for the message; the operating system releases both when the
+    process exits, however it exits (SIGKILL included), so a stale lock file does not block
+    the next run. Not enforced on Windows (no `fcntl`) or on filesystems where `flock` is
+    local to one host (some NFS set-ups); with several processes of one run, lock on
+    process 0 only.
 
     Yields:
         The directory, as a `Path`.
@@ -549,26 +551,46 @@ def lock_directory(directory: str | os.PathLike) -> Iterator[Path]:
     except ImportError:  # Windows: no advisory lock
         yield directory
         return
-    lock_path = directory / LOCK_NAME
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
+    with contextlib.ExitStack() as stack:
+        dir_fd = _open_fd(stack, directory, os.O_RDONLY)
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _locked(directory, _holder(directory / LOCK_NAME)) from None
+        except OSError:
+            pass  # no flock on directories here: the lock file alone
+        else:
+            stack.callback(fcntl.flock, dir_fd, fcntl.LOCK_UN)
+        fd = _open_fd(stack, directory / LOCK_NAME, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
-            raise DirectoryLockedError(
-                f"{directory} is in use by another run ({holder}); wait for it to finish, "
-                "or give this run its own checkpoint_dir."
-            ) from None
+            raise _locked(directory, _holder(directory / LOCK_NAME)) from None
+        stack.callback(fcntl.flock, fd, fcntl.LOCK_UN)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {_host()}\n".encode(), 0)
-        try:
-            yield directory
-        finally:
-            os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+        stack.callback(os.ftruncate, fd, 0)
+        yield directory
+
+
+def _open_fd(stack: contextlib.ExitStack, path: Path, flags: int) -> int:
+    fd = os.open(path, flags, 0o666)
+    stack.callback(os.close, fd)
+    return fd
+
+
+def _holder(lock_path: Path) -> str:
+    try:
+        return lock_path.read_text("utf-8", "replace").strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _locked(directory: Path, holder: str) -> DirectoryLockedError:
+    return DirectoryLockedError(
+        f"{directory} is in use by another run ({holder}); wait for it to finish, "
+        "or give this run its own checkpoint_dir."
+    )
 
 
 def _host() -> str:

@@ -213,9 +213,21 @@ def claim_directory(checkpoint_dir: Path | None):
         ) from e
     if not os.access(checkpoint_dir, os.W_OK | os.X_OK):
         raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} is not writable. {fix}")
-    lock = lock_directory(checkpoint_dir)
-    clean_stale_temporaries(checkpoint_dir)
-    return lock
+    return _claimed(checkpoint_dir)
+
+
+@contextlib.contextmanager
+def _claimed(checkpoint_dir: Path):
+    """Hold the lock, then remove what a killed run of ours left: only temporaries of the
+    files `save` writes, and only once no live run can be writing them (the lock)."""
+    with lock_directory(checkpoint_dir):
+        clean_stale_temporaries(checkpoint_dir, _ours)
+        yield
+
+
+def _ours(name: str) -> bool:
+    """A file `save` writes: the checkpoint, or an older one kept under its update count."""
+    return name == CHECKPOINT_NAME or _PREVIOUS.fullmatch(name) is not None
 
 
 def fingerprint(obj: Any) -> dict[str, str]:
@@ -334,11 +346,13 @@ def _previous_name(updates: int) -> str:
     return f"{stem}-{updates:09d}{dot}{suffix}"
 
 
+_STEM, _, _SUFFIX = CHECKPOINT_NAME.rpartition(".")
+_PREVIOUS = re.compile(re.escape(_STEM) + r"-(\d{9,})\." + re.escape(_SUFFIX))
+
+
 def _previous(directory: Path) -> list[Path]:
     """The older checkpoints kept in `directory`, oldest first."""
-    stem, _, suffix = CHECKPOINT_NAME.rpartition(".")
-    pattern = re.compile(re.escape(stem) + r"-(\d{9,})\." + re.escape(suffix))
-    named = [(pattern.fullmatch(p.name), p) for p in directory.iterdir()]
+    named = [(_PREVIOUS.fullmatch(p.name), p) for p in directory.iterdir()]
     return [p for _, p in sorted((int(m.group(1)), p) for m, p in named if m)]
 
 
