@@ -2,12 +2,17 @@
 nothing of the running job's, non-finite parameters are never saved, SIGTERM and SIGHUP
 save and stop as Ctrl-C does, and bad arguments are refused naming what arrived."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import optax
 import pytest
 
@@ -88,3 +93,53 @@ def test_fit_removes_only_its_own_temporaries(tmp_path):
     _trainer(tmp_path).fit(x, y, epochs=1, micro_batch=8, key=jr.PRNGKey(1))
     assert not any(p.exists() for p in ours)
     assert all(p.read_bytes() == b"x" for p in others)
+
+
+# ------------------------------------------------------------------------ non-finite parameters
+
+
+class _WithUnused(eqx.Module):
+    used: Any
+    unused: jax.Array  # gets a zero gradient: Adam with eps=0 divides 0 by 0
+
+
+def _unused_loss(model, x, y):
+    return el.train.mse(model.used, x, y)
+
+
+def _nan_at_update_3(state, info):
+    nan = jnp.where(state.step >= 3, jnp.nan, 0.0)
+    model = jax.tree.map(lambda p: p + nan if eqx.is_inexact_array(p) else p, state.model)
+    return dataclasses.replace(state, model=model)
+
+
+@pytest.mark.parametrize(
+    "case, saved",
+    [("nan_learning_rate", None), ("adam_eps_0", None), ("hook_writes_nan", 2)],
+)
+def test_nonfinite_parameters_stop_the_run_and_are_never_saved(tmp_path, case, saved):
+    model = el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0))
+    loss, optimizer, hook = el.train.mse, optax.sgd(0.05), None
+    if case == "nan_learning_rate":
+        optimizer = optax.sgd(float("nan"))
+    elif case == "adam_eps_0":
+        model = _WithUnused(model, jnp.ones(3))
+        loss, optimizer = _unused_loss, optax.adam(1e-3, eps=0.0)
+    else:
+        hook = _nan_at_update_3
+    trainer = el.train.Trainer(
+        model, loss, optimizer, after_update=hook, checkpoint_dir=tmp_path,
+        checkpoint_every=1, progress=False,
+    )  # fmt: skip
+    x, y = _data()
+    with pytest.raises(FloatingPointError, match="parameters became non-finite") as e:
+        trainer.fit(x, y, epochs=4, micro_batch=4, key=jr.PRNGKey(1))
+    assert "last good state" not in str(e.value).split("trainer.state")[1].split(";")[0]
+    path = tmp_path / CHECKPOINT_NAME
+    if saved is None:
+        assert not path.exists() and "no checkpoint" in str(e.value)
+        return
+    assert f"checkpoint of update {saved}" in str(e.value)
+    state, meta = el.train.load_checkpoint(path, trainer.state)
+    assert meta["updates"] == saved
+    assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(state.model))

@@ -157,6 +157,8 @@ def _finish(trainer, run: Run, bar: Progress, metrics: dict, epoch: int) -> None
     """Wait for an update's metrics; stop on a non-finite loss; update the running mean."""
     values = {k: v.item() for k, v in jax.device_get(metrics).items()}
     partial = run.partial
+    if not values.get("params_finite", True):
+        raise FloatingPointError(_nonfinite_parameters(trainer, run, epoch))
     if not values["finite"]:
         if trainer.step_fn.loss_scale is None:
             raise FloatingPointError(
@@ -189,6 +191,29 @@ def _finish(trainer, run: Run, bar: Progress, metrics: dict, epoch: int) -> None
             trainer,
             {"epoch": epoch, "update": partial["updates"], "updates": trainer.updates, **values},
         )
+
+
+def _nonfinite_parameters(trainer, run: Run, epoch: int) -> str:
+    """The error for parameters that an update made non-finite from a finite gradient."""
+    saved = run.saved[0] if run.saved is not None else None
+    if trainer.checkpoint_dir is None:
+        last = "there is no checkpoint_dir, so no good state is kept"
+    elif saved is None:
+        last = f"no checkpoint is in {trainer.checkpoint_dir} yet"
+    else:
+        last = (
+            f"the last good state is the checkpoint of update {saved} in "
+            f"{trainer.checkpoint_dir} (a rerun resumes from it)"
+        )
+    return (
+        f"the parameters became non-finite (NaN or inf) at update "
+        f"{run.partial['updates'] + 1} of epoch {epoch + 1} (update {trainer.updates} of "
+        "the run, or just before it): the optimizer's update or the after_update hook made "
+        "them so, from a finite loss and gradient. trainer.state holds those non-finite "
+        f"parameters and was not saved; {last}. Look for a NaN or inf learning rate or "
+        "schedule, an optimizer dividing by zero (optax.adam(eps=0) on a parameter that gets "
+        "no gradient), or an after_update hook writing NaN."
+    )
 
 
 def _close_epoch(trainer, run: Run, epoch: int) -> None:

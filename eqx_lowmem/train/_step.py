@@ -38,6 +38,7 @@ from ._state import (
 )
 from ._update import (
     UpdateInfo,
+    all_finite,
     apply_updates,
     if_finite_cond,
     mean_gradient,
@@ -233,7 +234,8 @@ class Step:
         Returns:
             The new state and metrics: `loss` (the weighted mean over the batch),
             `weight` (total weight), `grad_norm` (of the accumulated gradient, before
-            clipping), `finite` (False when the update was skipped), `loss_scale`.
+            clipping), `finite` (False when the update was skipped), `loss_scale`,
+            `params_finite` (False when the new parameters hold NaN or inf).
         """
         c = self.config
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
@@ -375,6 +377,7 @@ class Step:
             "grad_norm": mean.norm,
             "finite": mean.finite,
             "loss_scale": scale,
+            "params_finite": all_finite(eqx.filter(new.model, eqx.is_inexact_array)),
         }
         return new, metrics
 

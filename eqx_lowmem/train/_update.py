@@ -11,6 +11,8 @@
    (parameters, optimizer state, model state and update counter), selected leaf by leaf.
 4. An `after_update` hook (`UpdateInfo`), after the finite branch (told whether the update
    was applied): sparse layers rewire there.
+5. `all_finite` on the new parameters: the step's `params_finite` metric (a finite gradient
+   can still give non-finite parameters: a NaN learning rate, a hook).
 """
 
 from collections.abc import Callable
@@ -166,6 +168,22 @@ def select(finite: Bool[Array, ""], new: Any, old: Any) -> Any:
     """`new` where `finite`, else `old`: `jnp.where` on each array leaf (see `if_finite`);
     other leaves are `new`'s."""
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o) if eqx.is_array(n) else n, new, old)
+
+
+def all_finite(tree: Any) -> Bool[Array, ""]:
+    """Whether every floating entry of `tree`'s arrays is finite (no NaN, no inf).
+
+    The step checks its new parameters with it, after the update and any `after_update`
+    hook: a NaN learning rate, `optax.adam(eps=0)` on a parameter with no gradient (0/0),
+    or a hook can make them non-finite from a finite gradient. Time: one read of each
+    parameter, which XLA fuses into the update that writes it; memory: a scalar per leaf
+    (the parameters are stored anyway).
+    """
+    ok = jnp.ones((), bool)
+    for x in jax.tree.leaves(tree):
+        if eqx.is_inexact_array(x) and x.size:
+            ok = ok & jnp.all(jnp.isfinite(x))
+    return ok
 
 
 def _unsigned(dtype: Any) -> Any:
