@@ -1,6 +1,6 @@
-"""Real processes stopped while they train: Ctrl-C (SIGINT) saves and exits with one line;
-SIGKILL at every phase of a checkpoint write (and between an epoch's last update and its
-save) resumes with parameters, optimizer state, stream position and history bit-identical
+"""Real processes stopped while they train: Ctrl-C (SIGINT), SIGTERM and SIGHUP save and exit
+with one line; SIGKILL at every phase of a checkpoint write (and between an epoch's last
+update and its save) resumes with parameters, optimizer state, stream position and history bit-identical
 to a run that was never stopped; a second process on the same directory is refused."""
 
 import os
@@ -60,6 +60,7 @@ from eqx_lowmem import _io
 from tests.test_interrupt import fit, make_trainer
 
 directory, phase, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as launched from a terminal, also under nohup
 count = {"leaf": 0, "replace": 0, "link": 0, "eval": 0}
 
 def die():
@@ -192,7 +193,18 @@ def test_sigkill_at_every_phase_resumes_bit_identically(tmp_path, uninterrupted,
     _check_resumes_exactly(tmp_path, uninterrupted)
 
 
-def test_ctrl_c_saves_and_exits_with_one_line_then_resumes(tmp_path, uninterrupted, env):
+@pytest.mark.parametrize(
+    "signum, how",
+    [
+        (signal.SIGINT, "interrupted"),
+        (signal.SIGTERM, "stopped by SIGTERM"),  # a scheduler's preemption
+        pytest.param(signal.SIGHUP, "stopped by SIGHUP", marks=pytest.mark.slow),
+    ],
+    ids=["SIGINT", "SIGTERM", "SIGHUP"],
+)
+def test_a_stop_signal_saves_and_exits_with_one_line_then_resumes(
+    tmp_path, uninterrupted, env, signum, how
+):
     with _child(tmp_path, "sigint", 0, env) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -201,13 +213,13 @@ def test_ctrl_c_saves_and_exits_with_one_line_then_resumes(tmp_path, uninterrupt
         # A second run on the same directory is refused while the first holds it.
         with pytest.raises(el.train.DirectoryLockedError, match="in use by another run"):
             fit(make_trainer(tmp_path))
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, (out, err)
+    assert proc.returncode == 128 + signum, (out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
-    stopped = int(lines[0].split()[3].rstrip(";"))
-    assert lines[0] == f"interrupted at update {stopped}; run again to resume"
+    stopped = int(lines[0].split(" at update ")[1].split(";")[0])
+    assert lines[0] == f"{how} at update {stopped}; run again to resume"
     assert 5 <= stopped < 4 * EPOCHS
     meta = el.train.read_meta(tmp_path / el.train.CHECKPOINT_NAME)
     assert meta["updates"] == stopped  # saved at the update it stopped at, not before

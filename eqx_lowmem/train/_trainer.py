@@ -67,7 +67,8 @@ class Trainer:
     # The run's state before the first `fit` (each instance sets its own from then on).
     state: TrainState | None = None
     updates: int = 0  # updates taken in the run (skipped ones included)
-    _interrupted: bool = False
+    _interrupted: bool = False  # a stop signal arrived during `fit`
+    _signal: int | None = None  # which one
     _orbax: Any = None  # the orbax engine while `fit` runs, with that format
     _writer: Any = None  # the TensorBoard writer while `fit` runs, with `log_dir`
     _handed_out: TrainState | None = None  # the state `model` last handed out
@@ -142,11 +143,14 @@ class Trainer:
             batch scheduler, CI) a line every `log_seconds` seconds with the update, loss,
             updates per second and time left. `"bar"` or `"log"` force one; False: silent.
         log_seconds: seconds between progress lines.
-        interrupt: on Ctrl-C (SIGINT), `fit` finishes the update in flight, saves a
-            checkpoint, and then `"exit"`s the program with the one line "interrupted at
-            update N; run again to resume" (exit status 130), or `"raise"`s
-            KeyboardInterrupt (for notebooks: `trainer.state` is the saved state). A second
-            Ctrl-C stops at once, without saving.
+        interrupt: on Ctrl-C (SIGINT), SIGTERM (a cluster's or cloud's preemption) or
+            SIGHUP (a closed terminal; not under `nohup`, which ignores it), `fit` finishes
+            the update in flight, saves a checkpoint, and then `"exit"`s the program with
+            the one line "interrupted at update N; run again to resume" ("stopped by
+            SIGTERM at ...") and exit status 128 + the signal's number (130 for Ctrl-C,
+            143 for SIGTERM), or `"raise"`s KeyboardInterrupt (for notebooks:
+            `trainer.state` is the saved state). A second signal stops at once, without
+            saving. Only in the main thread (Python delivers signals there).
         check_data: check every micro-batch on the host before its update for data a loss
             would silently accept (`eqx_lowmem.train._losses.check_batch`: NaN or inf, and
             labels or token ids outside the model's classes for the built-in losses). Time:
