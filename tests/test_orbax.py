@@ -122,7 +122,7 @@ def test_corrupt_truncated_and_other_checkpoints_are_checkpoint_errors(tmp_path)
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x10
     data.write_bytes(raw)
-    with pytest.raises(CheckpointError, match=r"leaf \['w'\] fails its fingerprint") as e:
+    with pytest.raises(CheckpointError, match=r"leaf \['w'\] fails its hash") as e:
         checkpoints.restore(tree)
     assert where in str(e.value)
     data.write_bytes(raw[: len(raw) // 2])  # truncated
@@ -331,3 +331,31 @@ def test_save_model_of_a_sparse_model_dense_or_sparse(tmp_path):
     x = jr.normal(jr.PRNGKey(2), (16,))
     np.testing.assert_allclose(loaded_dense(x), sparse(x), rtol=1e-5, atol=1e-6)
     assert os.path.getsize(tmp_path / "dense.eqx") > os.path.getsize(tmp_path / "sparse.eqx")
+
+
+def test_swapped_elements_and_an_edited_meta_item_are_refused(tmp_path):
+    w = jnp.arange(6.0).reshape(2, 3)
+    swapped = w.at[0, 0].set(w[1, 2]).at[1, 2].set(w[0, 0])  # same sum of bits, same values
+    checkpoints = OrbaxCheckpoints(tmp_path, keep=None, asynchronous=False)
+    checkpoints.save(5, {"w": w}, {"stream": {"position": 12}})
+    checkpoints.save(6, {"w": swapped}, {"stream": {"position": 12}})
+    # Step 5's records with step 6's arrays: its bytes hold two elements swapped.
+    step5, step6 = tmp_path / "checkpoint_000000005", tmp_path / "checkpoint_000000006"
+    os.rename(step5 / "state", tmp_path / "original_state")
+    os.rename(step6 / "state", step5 / "state")
+    with pytest.raises(CheckpointError, match=r"leaf \['w'\] fails its (hash|fingerprint)"):
+        checkpoints.restore({"w": w}, step=5)
+    os.rename(step5 / "state", step6 / "state")
+    os.rename(tmp_path / "original_state", step5 / "state")
+    tree, meta = checkpoints.restore({"w": w}, step=5)
+    assert np.array_equal(tree["w"], w) and meta == {"stream": {"position": 12}}
+    # The stream position edited from 12 to 14 in the meta item's JSON.
+    item = step5 / "meta" / "metadata"
+    item.write_text(item.read_text().replace('"position": 12', '"position": 14'))
+    assert '"position": 14' in item.read_text()
+    with pytest.raises(CheckpointError, match="'meta' item fails its SHA-256 checksum") as e:
+        checkpoints.read_meta(5)
+    assert str(step5) in str(e.value)
+    with pytest.raises(CheckpointError, match="was edited or is corrupt"):
+        checkpoints.restore({"w": w}, step=5)
+    checkpoints.close()

@@ -8,14 +8,17 @@ A run directory holds one orbax step directory per checkpoint, named
   `PyTreeCheckpointHandler` (tensorstore, OCDBT). Orbax's own API reads it onto any mesh:
   `ocp.StandardCheckpointer().restore(step_dir / "state", abstract_tree)`;
 - `meta`: JSON: the caller's metadata, one record per array leaf (its path, kind, dtype,
-  shape) and each leaf's fingerprint.
+  shape) with each leaf's hash, and the SHA-256 of both.
 
 What orbax and tensorstore do not check, this module does. A flipped bit in an array's
-bytes reads back silently from OCDBT, so every leaf carries a fingerprint: the sum of its
-elements' bits read as unsigned integers, mod 2**32, summed over the parts each process
-holds. Integer sums do not depend on the order of addition, so the fingerprint is the same
-on any mesh or number of processes; a restore recomputes it and refuses a leaf that
-differs (one changed element always changes it). Any failure to read is a
+bytes reads back silently from OCDBT, so every leaf carries a 64-bit hash: the sum mod
+2**64 over its elements of a mix (SplitMix64's) of each element's bits and its position in
+the leaf, summed over the parts each process holds. Integer sums do not depend on the order
+of addition, so the hash is the same on any mesh or number of processes; the position and
+the mix make swapped elements and changes that cancel out change it. A restore recomputes
+it and refuses a leaf that differs. The `meta` item carries the SHA-256 of its content, so
+an edited stream position, history or update count is refused too. (Checkpoints written
+before the hash carry sums of bits, still verified.) Any failure to read is a
 `CheckpointError` naming the step directory.
 
 Atomicity is orbax's: a step is written under a temporary name and renamed when every
@@ -45,6 +48,11 @@ from ._checkpoint import (
     _key_data_sharding,
     _mismatch,
     _numeric,
+)
+from ._leaf_hash import (
+    checksum,
+    fingerprints,
+    hashes,
 )
 
 STEP_PREFIX = "checkpoint"
@@ -119,44 +127,6 @@ def _records(tree: Any) -> tuple[Any, list[dict[str, Any]]]:
         records.append(record)
     stored = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key_dtype(x.dtype) else x, arrays)
     return stored, records
-
-
-def _words(a: np.ndarray) -> np.ndarray:
-    """The bits of `a`'s elements as unsigned integers of their size (64-bit elements as
-    two 32-bit words, complex ones as their parts), flat."""
-    a = np.ascontiguousarray(a)
-    if a.dtype.kind == "c":
-        a = a.view(a.real.dtype)
-    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint32}[a.dtype.itemsize]
-    return a.reshape(-1).view(unsigned)
-
-
-def _local_sum(x: Any) -> int:
-    """The sum mod 2**32 of the words of the parts of `x` this process holds, each part
-    once (a replicated shard is counted on the process holding its replica 0)."""
-    if isinstance(x, jax.Array):
-        parts = [s.data for s in x.addressable_shards if s.replica_id == 0]
-    else:
-        parts = [x]
-    total = 0
-    for part in parts:
-        total += int(_words(np.asarray(part)).sum(dtype=np.uint32))
-    return total % 2**32
-
-
-def _fingerprint_strings(stored: Any) -> list[str]:
-    """Each leaf's fingerprint: the sum mod 2**32 of its elements' bits read as unsigned
-    integers. A sum does not depend on how the leaf is split, so every mesh and process
-    count gives the same one; one pass over the bytes on the host (numpy; XLA:CPU's
-    integer reductions are ten times slower). A changed element, a zeroed or truncated
-    region change it (but for a chance of 2**-32); a permutation of elements does not."""
-    sums = np.asarray([_local_sum(x) for x in jax.tree.leaves(stored)], np.uint32)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        gathered = np.asarray(multihost_utils.process_allgather(sums), np.uint64)
-        sums = (gathered.sum(axis=0) % 2**32).astype(np.uint32)
-    return [f"{int(v):08x}" for v in sums]
 
 
 # ------------------------------------------------------------------------------- the run directory
@@ -273,8 +243,9 @@ class OrbaxCheckpoints:
                 f"OrbaxCheckpoints.save(meta=...) must be JSON-serialisable: {e}"
             ) from e
         stored, records = _records(tree)
-        for record, fingerprint in zip(records, _fingerprint_strings(stored), strict=True):
-            record["fingerprint"] = fingerprint
+        for record, digest in zip(records, hashes(stored), strict=True):
+            record["hash"] = digest
+        header = {"meta": meta_json, "leaves": records, "sha256": checksum(meta_json, records)}
         ocp = self._ocp
         if step in self._manager.all_steps():
             self._manager.wait_until_finished()
@@ -284,7 +255,7 @@ class OrbaxCheckpoints:
             args=ocp.args.Composite(
                 **{
                     STATE_ITEM: ocp.args.PyTreeSave(stored),
-                    META_ITEM: ocp.args.JsonSave({"meta": meta_json, "leaves": records}),
+                    META_ITEM: ocp.args.JsonSave(header),
                 }
             ),
             force=True,
@@ -323,6 +294,16 @@ class OrbaxCheckpoints:
             or "meta" not in header
         ):
             raise CheckpointError(f"{where}: its {META_ITEM!r} item is corrupt.")
+        hashed = any(isinstance(r, dict) and "hash" in r for r in header["leaves"])
+        if (hashed or "sha256" in header) and header.get("sha256") != checksum(
+            header["meta"], header["leaves"]
+        ):
+            raise CheckpointError(
+                f"{where}: its {META_ITEM!r} item fails its SHA-256 checksum: the metadata "
+                "(stream position, history, update count or leaf records) was edited or is "
+                "corrupt. Use an older checkpoint (another checkpoint_<updates> directory) "
+                "or start a new run directory."
+            )
         return header
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
@@ -351,9 +332,9 @@ class OrbaxCheckpoints:
 
         Raises:
             FileNotFoundError: if the directory holds no checkpoint.
-            CheckpointError: if the checkpoint cannot be read, a leaf fails its
-                fingerprint, its leaves differ from `like`'s (another model or optimizer),
-                or a field of `expect` differs.
+            CheckpointError: if the checkpoint cannot be read, its metadata fails its
+                checksum, a leaf fails its hash, its leaves differ from `like`'s (another
+                model or optimizer), or a field of `expect` differs.
         """
         step = self._step(step)
         where = step_directory(self.directory, step)
@@ -412,12 +393,13 @@ class OrbaxCheckpoints:
 
     @staticmethod
     def _verify(where: Path, records: list[dict[str, Any]], restored: Any) -> None:
-        prints = _fingerprint_strings(restored)
+        kind = "hash" if all("hash" in r for r in records) else "fingerprint"
+        prints = (hashes if kind == "hash" else fingerprints)(restored)
         for record, fingerprint in zip(records, prints, strict=True):
-            if record.get("fingerprint") != fingerprint:
+            if record.get(kind) != fingerprint:
                 raise CheckpointError(
-                    f"{where}: leaf {record['path']} fails its fingerprint: its bytes are "
-                    "corrupt. Use an older checkpoint or start a new run directory."
+                    f"{where}: leaf {record['path']} fails its {kind}: its bytes are corrupt. "
+                    "Use an older checkpoint or start a new run directory."
                 )
 
     def load_model(self, like: Any, *, step: int | None = None) -> Any:
