@@ -10,9 +10,11 @@ The file gets the mode any file a program opens gets: `0o666 & ~umask` (`tempfil
 alone would leave it `0o600`, readable by its owner only).
 """
 
+import io
 import json
 import os
 import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -52,6 +54,10 @@ def atomic_write(
 ) -> Path:
     """Write `data` to `path` atomically: whole or not at all, also when the process dies.
 
+    A symlink is followed: its target is replaced, the link kept. A named pipe or a
+    character device (`/dev/stdout`, a terminal) is written into as it is, not replaced
+    (not atomic: there is no file to rename).
+
     Args:
         path: the destination. Its directory is created if missing.
         data: the bytes to write, or a function that writes them to the binary file object it
@@ -63,6 +69,7 @@ def atomic_write(
     Raises:
         TypeError: if `data` is neither bytes nor callable.
         IsADirectoryError: if `path` is a directory.
+        ValueError: for an empty path, a socket or a block device.
         Whatever `data(file)` raises; the temporary file is removed first.
 
     Example:
@@ -79,9 +86,15 @@ def atomic_write(
             f"atomic_write(data=...) got a {type(data).__name__}; expected bytes or a function "
             "that writes to a binary file object."
         )
+    if os.fspath(path) == "":
+        raise ValueError("cannot write '': expected a file name, got an empty path.")
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"cannot write {str(path)!r}: it is a directory.")
+    if path.exists() and not path.is_file():
+        return _write_through(path, data)
+    if path.is_symlink():  # to a regular file, or dangling: replace (or create) its target
+        path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _temporary(path)
     try:
@@ -97,6 +110,26 @@ def atomic_write(
         tmp.unlink(missing_ok=True)
         raise
     _fsync_directory(path.parent)
+    return path
+
+
+def _write_through(path: Path, data: Any) -> Path:
+    """Write into `path` as it is: a named pipe, a terminal, `/dev/stdout` or another device
+    (a temporary renamed over it would replace it by a regular file). Not atomic (there is
+    nothing to rename); a writing function gets a seekable buffer, written out whole."""
+    if not stat.S_ISFIFO(path.stat().st_mode) and not stat.S_ISCHR(path.stat().st_mode):
+        raise ValueError(
+            f"cannot write {str(path)!r}: it is neither a regular file, a named pipe nor a "
+            "character device (a socket or block device); give a file name."
+        )
+    if callable(data):
+        buffer = io.BytesIO()
+        data(buffer)
+        data = buffer.getbuffer()
+    with open(path, "wb", buffering=0) as f:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[f.write(view) :]
     return path
 
 

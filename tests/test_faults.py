@@ -3,8 +3,12 @@ nothing of the running job's, non-finite parameters are never saved, SIGTERM and
 save and stop as Ctrl-C does, and bad arguments are refused naming what arrived."""
 
 import dataclasses
+import json
+import os
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +147,43 @@ def test_nonfinite_parameters_stop_the_run_and_are_never_saved(tmp_path, case, s
     state, meta = el.train.load_checkpoint(path, trainer.state)
     assert meta["updates"] == saved
     assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(state.model))
+
+
+# ------------------------------------------------------------------------ atomic writes
+
+_PRINT_JSON = "import sys; from eqx_lowmem._io import write_json; write_json(sys.argv[1], [1, 2])"
+
+
+def test_atomic_writes_keep_symlinks_pipes_and_devices(tmp_path):
+    from eqx_lowmem._io import atomic_write, write_json
+
+    # A symlink: its target is replaced, the link stays.
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    write_json(link, {"a": 1})
+    assert link.is_symlink() and json.loads(target.read_text()) == {"a": 1}
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "made.json")
+    write_json(dangling, [3])
+    assert dangling.is_symlink() and json.loads((tmp_path / "made.json").read_text()) == [3]
+    # A named pipe: written into, still a pipe.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    atomic_write(fifo, lambda f: (f.write(b"hello"), f.seek(0), f.write(b"J")))
+    reader.join(timeout=30)
+    assert got == [b"Jello"] and stat.S_ISFIFO(fifo.lstat().st_mode)
+    # The process's stdout through a link to it (as /dev/stdout is): printed, not replaced.
+    out_link = tmp_path / "stdout"
+    out_link.symlink_to("/proc/self/fd/1")
+    for where in (str(out_link), "/dev/stdout"):
+        out = subprocess.run(
+            [sys.executable, "-c", _PRINT_JSON, where], cwd=ROOT, capture_output=True, text=True
+        )
+        assert out.returncode == 0 and json.loads(out.stdout) == [1, 2], out.stderr
+    assert out_link.is_symlink()
+    with pytest.raises(ValueError, match="empty path"):
+        atomic_write("", b"x")

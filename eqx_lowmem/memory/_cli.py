@@ -173,6 +173,8 @@ def _check_output(flag: str, path: str | None) -> None:
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"{flag} {path}: is a directory; give a file name.")
+    if target.exists() and not target.is_file() and os.access(target, os.W_OK):
+        return  # /dev/stdout, a pipe: written into as it is
     directory = target.parent
     try:
         directory.mkdir(parents=True, exist_ok=True)
