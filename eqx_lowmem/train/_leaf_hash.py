@@ -97,14 +97,18 @@ def hashes(stored: Any) -> list[str]:
     position makes it see swapped or moved elements, and the mix changes that cancel out
     (each changed element changes the hash but for a chance of 2**-64). One pass over the
     bytes on the host (numpy), in chunks of `_CHUNK` elements."""
-    sums = np.asarray([_local_hash(x) for x in jax.tree.leaves(stored)], np.uint64)
+    sums = [_local_hash(x) for x in jax.tree.leaves(stored)]
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        gathered = np.asarray(multihost_utils.process_allgather(sums), np.uint64)
-        with np.errstate(over="ignore"):
-            sums = gathered.sum(axis=0, dtype=np.uint64)
-    return [f"{int(v):016x}" for v in sums]
+        # As two 32-bit halves: without x64, JAX would cut uint64 words to 32 bits.
+        halves = np.asarray([[v >> 32, v & 0xFFFFFFFF] for v in sums], np.uint32)
+        gathered = np.asarray(multihost_utils.process_allgather(halves), np.uint64)
+        sums = [
+            sum((int(hi) << 32) | int(lo) for hi, lo in gathered[:, i]) % 2**64
+            for i in range(len(sums))
+        ]
+    return [f"{v:016x}" for v in sums]
 
 
 def fingerprints(stored: Any) -> list[str]:
