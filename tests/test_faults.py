@@ -187,3 +187,37 @@ def test_atomic_writes_keep_symlinks_pipes_and_devices(tmp_path):
     assert out_link.is_symlink()
     with pytest.raises(ValueError, match="empty path"):
         atomic_write("", b"x")
+
+
+# ------------------------------------------------------------------------ evaluation data
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("nan", r"eval_data .*batch\[0\] holds 1 non-finite"),
+        ("label", r"eval_data .*batch\[1\] holds labels from 0 to 7"),
+        ("shape", r"cannot be applied to the model and eval_data"),
+    ],
+)
+def test_eval_data_is_checked_before_the_first_update(tmp_path, case, match):
+    x = jr.normal(jr.PRNGKey(2), (16, 2))
+    y = np.arange(16) % 3
+    ex, ey = np.array(x[:8]), y[:8].copy()
+    if case == "nan":
+        ex[3, 1] = np.nan
+    elif case == "label":
+        ey[5] = 7
+    else:
+        ey = ey[:, None]
+    seen = []
+    trainer = el.train.Trainer(
+        el.nn.mlp([2, 4, 3], key=jr.PRNGKey(0)), el.train.cross_entropy, optax.sgd(0.1),
+        checkpoint_dir=tmp_path, progress=False, callback=lambda t, m: seen.append(m),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(x, y, epochs=1, micro_batch=8, key=jr.PRNGKey(1), eval_data=(ex, ey))
+    assert seen == [] and not (tmp_path / CHECKPOINT_NAME).exists()
+    if case != "shape":  # Trainer.evaluate checks what it is given too
+        with pytest.raises(ValueError, match="evaluation data, batch 1"):
+            trainer.evaluate((ex, ey))

@@ -160,16 +160,39 @@ def check_mesh(mesh: Mesh | None, data_axis: str, micro_batch: int) -> None:
         )
 
 
-def check_model_accepts(step_fn: Step, loss, state: TrainState, stream: DataStream) -> None:
-    """Trace one micro-batch through the loss before any work, for a clear error."""
+def check_eval_data(step_fn: Step, loss, state: TrainState, eval_data: Any, eval_stream) -> None:
+    """`eval_data` checked as training data is, before the first update: arrays whole
+    (NaN, labels out of range; one pass on the host), a stream's first batch; and the
+    loss traced on a batch of it (a `y` of the wrong shape)."""
+    if eval_stream is None:
+        return
+    if isinstance(eval_data, (tuple, list)):
+        try:
+            check_batch(loss, state.model, tuple(a for a in eval_data if a is not None))
+        except ValueError as e:
+            raise ValueError(f"eval_data (checked before training): {e}") from e
+    check_model_accepts(step_fn, loss, state, eval_stream, what="eval_data")
+
+
+def check_model_accepts(
+    step_fn: Step, loss, state: TrainState, stream: DataStream, what: str = "a micro-batch"
+) -> None:
+    """Trace one micro-batch (of `what`) through the loss before any work, for a clear
+    error."""
     first = next(iter(peek(stream)), None)
     if first is None:
         raise ValueError(
-            f"the stream has no batches in epoch {stream.epoch + 1} (an empty source, "
-            "or drop_last with fewer samples than a batch); nothing to train on."
+            f"the {'stream' if what == 'a micro-batch' else what} has no batches in epoch "
+            f"{stream.epoch + 1} (an empty source, or drop_last with fewer samples than a "
+            "batch); nothing to train on."
         )
     assert state is not None
-    check_batch(loss, state.model, tuple(first))  # bad data, on the host
+    try:
+        check_batch(loss, state.model, tuple(first))  # bad data, on the host
+    except ValueError as e:
+        if what == "a micro-batch":
+            raise
+        raise ValueError(f"{what} (its first batch, checked before training): {e}") from e
     policy = step_fn.policy
 
     def trace(model, model_state, batch, key):
@@ -187,7 +210,7 @@ def check_model_accepts(step_fn: Step, loss, state: TrainState, stream: DataStre
     except Exception as e:
         shapes = ", ".join(f"{tuple(s.shape)} {s.dtype}" for s in specs)
         raise ValueError(
-            f"the loss cannot be applied to the model and a micro-batch of ({shapes}) "
+            f"the loss cannot be applied to the model and {what} of ({shapes}) "
             f"(called as the step calls it, with a key if the loss takes one): "
             f"{type(e).__name__}: {e}"
         ) from e

@@ -9,6 +9,7 @@ from ..precision._policy import Policy
 from ._batches import pad
 from ._checks import make_eval_stream
 from ._loss import call_loss
+from ._losses import check_batch
 from ._shard import in_auto_axes
 
 
@@ -47,7 +48,12 @@ def evaluate(trainer, data: tuple | DataStream, micro_batch: int | None = None) 
     held, model_state = trainer._held()
     model = eqx.nn.inference_mode(held)
     total = weight = 0.0
-    for batch in stream:
+    for i, batch in enumerate(stream):
+        if trainer.check_data:  # as training batches are: NaN, labels out of range
+            try:
+                check_batch(trainer.loss, held, tuple(batch))
+            except ValueError as e:
+                raise ValueError(f"evaluation data, batch {i + 1}: {e}") from e
         batch, weights = pad([tuple(jnp.asarray(x) for x in batch)], stream.batch_size)
         s, w = trainer._eval_fn(model, model_state, batch, weights)
         total += float(s)

@@ -20,6 +20,7 @@ from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy
 from ._checks import (
     check_directory,
+    check_eval_data,
     check_fit_args,
     check_mesh,
     check_model_accepts,
@@ -337,6 +338,7 @@ class Trainer:
                 self._model = self._model_state = None  # held once, in the state
             self._keep_handed_out()
             check_model_accepts(self.step_fn, self.loss, self.state, stream)
+            check_eval_data(self.step_fn, self.loss, self.state, eval_data, eval_stream)
             run = Run(
                 stream=stream,
                 accumulate=self.accumulate,
