@@ -2,6 +2,7 @@
 value is concrete (on the host) or traced. Each raises an error that names the argument,
 what was expected, what arrived and the fix."""
 
+import os
 from typing import Any
 
 import jax
@@ -144,3 +145,46 @@ def ids_outside(ids: Any, size: int | None) -> tuple[str, str] | None:
     first = np.unravel_index(bad[0], a.shape)
     at = tuple(int(i) for i in first)
     return f"from {lo} to {hi}", f"{bad.size} are outside (first at index {at}: {int(a[first])})"
+
+
+def check_path(name: str, value: Any, *, kind: str = "file") -> None:
+    """`value` is a path (`str` or `os.PathLike`) that is not empty ('' would mean the
+    working directory: the files would land among others').
+
+    Raises:
+        TypeError: for a value that is not a path. ValueError: for an empty one.
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(
+            f"{name} must be a {kind} path (a str or pathlib.Path), got {_described(value)}."
+        )
+    if os.fspath(value) == "":
+        raise ValueError(
+            f"{name}='' is empty; expected a {kind} path, e.g. {name}='runs/run1'. (An empty "
+            "path would be the working directory.)"
+        )
+
+
+_INT32 = (int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max))
+_UINT32_MAX = int(np.iinfo(np.uint32).max)
+
+
+def check_fits_in_32_bits(name: str, a: np.ndarray) -> None:
+    """A 64-bit integer array whose values JAX can hold: without x64
+    (`jax_enable_x64`, off by default) JAX stores int64 as int32 and uint64 as uint32,
+    wrapping larger values silently (token ids beyond 2**31 become other ids).
+
+    Raises:
+        ValueError: naming `name`, the largest value and the fix.
+    """
+    if a.dtype.kind not in "iu" or a.dtype.itemsize < 8 or not a.size or jax.config.jax_enable_x64:
+        return
+    lo, hi = int(a.min()), int(a.max())
+    limit = (0, _UINT32_MAX) if a.dtype.kind == "u" else _INT32
+    if lo < limit[0] or hi > limit[1]:
+        raise ValueError(
+            f"{name} holds {a.dtype} values from {lo} to {hi}, beyond the 32-bit range "
+            f"[{limit[0]}, {limit[1]}] JAX stores them in without x64: they would wrap "
+            "silently. Renumber the ids into that range, or enable 64-bit values with "
+            "jax.config.update('jax_enable_x64', True) before building anything."
+        )

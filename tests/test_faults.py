@@ -221,3 +221,63 @@ def test_eval_data_is_checked_before_the_first_update(tmp_path, case, match):
     if case != "shape":  # Trainer.evaluate checks what it is given too
         with pytest.raises(ValueError, match="evaluation data, batch 1"):
             trainer.evaluate((ex, ey))
+
+
+# ------------------------------------------------------------------------ losses and arguments
+
+
+def _int_loss(model, x, y):
+    return (jax.vmap(model)(x)[:, 0] > 0).astype(jnp.int32)
+
+
+def _bool_loss(model, x, y):
+    return jax.vmap(model)(x)[:, 0] > 0
+
+
+def _list_loss(model, x, y):
+    values = el.train.mse(model, x, y)
+    return [values, jnp.ones_like(values)]
+
+
+def _own_loss(model, x, y):
+    return el.train.mse(model, x.astype(jnp.float32), y)
+
+
+@pytest.mark.parametrize(
+    "loss, x_dtype, big, match",
+    [
+        (_int_loss, np.float32, False, "values of dtype int32; expected floating-point"),
+        (_bool_loss, np.float32, False, "values of dtype bool; expected floating-point"),
+        (_list_loss, np.float32, False, r"returned a list of 2 items.*tuple \(values, weights\)"),
+        (_own_loss, np.int64, True, r"batch\[0\] holds int64 values from .* 32-bit range"),
+    ],
+    ids=["int", "bool", "list", "int64_beyond_int32"],
+)
+def test_losses_and_data_jax_would_misread_are_refused(loss, x_dtype, big, match):
+    x = np.asarray(_data()[0] * 3).astype(x_dtype)
+    if big:
+        x[1, 1] = 2**33 + 1  # int32 would hold 1
+    y = np.zeros((16, 1), np.float32)
+    trainer = el.train.Trainer(el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0)), loss, optax.sgd(0.1),
+                               progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(x, y, epochs=1, micro_batch=2, key=jr.PRNGKey(1), shuffle=False)
+    assert trainer.updates == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"checkpoint_dir": ""}, ValueError, r"checkpoint_dir='' is empty; expected a directory"),
+        ({"log_dir": ""}, ValueError, r"log_dir='' is empty"),
+        ({"log_dir": "FILE"}, ValueError, r"log_dir=.* is a file; expected a directory"),
+    ],
+    ids=["checkpoint_dir_empty", "log_dir_empty", "log_dir_file"],
+)
+def test_empty_or_wrong_directories_are_refused_at_construction(tmp_path, kwargs, error, match):
+    kwargs = {k: (str(tmp_path / "f") if v == "FILE" else v) for k, v in kwargs.items()}
+    (tmp_path / "f").write_text("notes")
+    with pytest.raises(error, match=match):
+        el.train.Trainer(el.nn.mlp([2, 1], key=jr.PRNGKey(0)), el.train.mse, optax.sgd(0.1),
+                         **kwargs)  # fmt: skip
+    assert (tmp_path / "f").read_text() == "notes"

@@ -11,7 +11,7 @@ import jax.random as jr
 import numpy as np
 from jax.sharding import Mesh
 
-from .._checks import check_int, check_prng_key, check_seconds
+from .._checks import check_fits_in_32_bits, check_int, check_path, check_prng_key, check_seconds
 from ..data import DataStream
 from ._batches import peek
 from ._loss import call_loss
@@ -40,9 +40,17 @@ def check_trainer_args(
     interrupt,
     config,
     checkpoint_format,
+    log_dir=None,
 ) -> dict[str, Any] | None:
     """The checks of `Trainer(...)`'s arguments; returns `config` as JSON would give it back."""
-    check_directory(None if checkpoint_dir is None else Path(checkpoint_dir))
+    for name, d in (("checkpoint_dir", checkpoint_dir), ("log_dir", log_dir)):
+        if d is not None:
+            check_path(name, d, kind="directory")
+            if Path(d).exists() and not Path(d).is_dir():
+                raise ValueError(
+                    f"{name}={str(d)!r} is a file; expected a directory (it is created if "
+                    "missing). Pass a directory path."
+                )
     if checkpoint_format not in FORMATS:
         raise ValueError(f"checkpoint_format must be one of {FORMATS}, got {checkpoint_format!r}.")
     check_int("checkpoint_every", checkpoint_every, 1, none=True)
@@ -168,10 +176,18 @@ def check_eval_data(step_fn: Step, loss, state: TrainState, eval_data: Any, eval
         return
     if isinstance(eval_data, (tuple, list)):
         try:
-            check_batch(loss, state.model, tuple(a for a in eval_data if a is not None))
+            check_data(loss, state.model, tuple(a for a in eval_data if a is not None))
         except ValueError as e:
             raise ValueError(f"eval_data (checked before training): {e}") from e
     check_model_accepts(step_fn, loss, state, eval_stream, what="eval_data")
+
+
+def check_data(loss, model: Any, batch: tuple) -> None:
+    """`check_batch` (NaN, labels out of range) and 64-bit integers JAX would wrap."""
+    arrays = tuple(np.asarray(x) for x in batch)
+    for i, a in enumerate(arrays):
+        check_fits_in_32_bits(f"batch[{i}]", a)
+    check_batch(loss, model, arrays)
 
 
 def check_model_accepts(
@@ -188,7 +204,7 @@ def check_model_accepts(
         )
     assert state is not None
     try:
-        check_batch(loss, state.model, tuple(first))  # bad data, on the host
+        check_data(loss, state.model, tuple(first))  # bad data, on the host
     except ValueError as e:
         if what == "a micro-batch":
             raise

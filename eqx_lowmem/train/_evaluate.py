@@ -7,9 +7,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..data import DataStream
 from ..precision._policy import Policy
 from ._batches import pad
-from ._checks import make_eval_stream
+from ._checks import check_data, make_eval_stream
 from ._loss import call_loss
-from ._losses import check_batch
 from ._shard import in_auto_axes
 
 
@@ -51,7 +50,7 @@ def evaluate(trainer, data: tuple | DataStream, micro_batch: int | None = None) 
     for i, batch in enumerate(stream):
         if trainer.check_data:  # as training batches are: NaN, labels out of range
             try:
-                check_batch(trainer.loss, held, tuple(batch))
+                check_data(trainer.loss, held, tuple(batch))
             except ValueError as e:
                 raise ValueError(f"evaluation data, batch {i + 1}: {e}") from e
         batch, weights = pad([tuple(jnp.asarray(x) for x in batch)], stream.batch_size)

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..data import DataStream
 from ._batches import concat, groups, pad
-from ._losses import check_batch
+from ._checks import check_data
 from ._progress import Progress
 from ._resume import save
 from ._run import Run, fresh_partial
@@ -111,7 +111,7 @@ def _host_check(trainer) -> Callable[[tuple], None]:
     def check(batch: tuple) -> None:
         index = next(count)
         try:
-            check_batch(trainer.loss, model, tuple(batch))
+            check_data(trainer.loss, model, tuple(batch))
         except ValueError as e:
             raise _BadBatch(index, e) from e
 

@@ -89,7 +89,8 @@ def call_loss(
 
     Raises:
         ValueError: if the values are not batch-first with one row per sample, or the
-            loss's weights do not match its values.
+            loss's weights do not match its values. TypeError: for values that are not
+            floating point (integers, booleans, complex numbers) or returned as a list.
     """
     kwargs = {"key": key} if key is not None and accepts_key(loss_fn) else {}
     cast = None
@@ -106,8 +107,8 @@ def call_loss(
             out, new_state = loss_fn(model, model_state, *batch, **kwargs)
         else:
             out, new_state = loss_fn(model, *batch, **kwargs), None
-    values, own = out if isinstance(out, tuple) else (out, None)
-    values = jnp.asarray(values).astype(jnp.float32)
+    values, own = _values_and_weights(out)
+    values = values.astype(jnp.float32)
     n = batch[0].shape[0] if batch and jnp.ndim(batch[0]) else None
     if values.ndim == 0 or (n is not None and values.shape[0] != n):
         raise ValueError(_MEAN_LOSS.format(n=n, got=values.shape))
@@ -125,6 +126,31 @@ def call_loss(
             )
         own = own * weights.astype(jnp.float32).reshape(weights.shape + (1,) * (own.ndim - 1))
     return LossOutput(values, own, new_state)
+
+
+def _values_and_weights(out: Any) -> tuple[Array, Any]:
+    """The loss's values (floating point, checked) and its own weights (or None)."""
+    if isinstance(out, list):
+        raise TypeError(
+            f"the loss returned a list of {len(out)} items; return an array of per-sample "
+            "values, or a tuple (values, weights). (A list is ambiguous: [values, weights] "
+            "and the values of a micro-batch of 2 look alike.)"
+        )
+    values, own = out if isinstance(out, tuple) else (out, None)
+    values = jnp.asarray(values)
+    if not jnp.issubdtype(values.dtype, jnp.floating):
+        raise TypeError(
+            f"the loss returned values of dtype {values.dtype}; expected floating-point "
+            "values (float32, bfloat16, ...). "
+            + (
+                "A complex loss would train on its real part only: return a real one "
+                "(e.g. jnp.abs(z) ** 2)."
+                if jnp.issubdtype(values.dtype, jnp.complexfloating)
+                else "Integer or boolean values have no gradient, so nothing would train: "
+                "compute the loss in floating point (e.g. x.astype(jnp.float32))."
+            )
+        )
+    return values, own
 
 
 def mean_loss(out: LossOutput) -> Float[Array, ""]:

@@ -188,6 +188,7 @@ class Trainer:
             interrupt=interrupt,
             config=config,
             checkpoint_format=checkpoint_format,
+            log_dir=log_dir,
         )
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         self.checkpoint_format = checkpoint_format
