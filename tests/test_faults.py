@@ -281,3 +281,64 @@ def test_empty_or_wrong_directories_are_refused_at_construction(tmp_path, kwargs
         el.train.Trainer(el.nn.mlp([2, 1], key=jr.PRNGKey(0)), el.train.mse, optax.sgd(0.1),
                          **kwargs)  # fmt: skip
     assert (tmp_path / "f").read_text() == "notes"
+
+
+# ------------------------------------------------------------------------ vague messages
+
+
+def test_files_that_are_not_models_or_checkpoints_are_named(tmp_path):
+    model = el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0))
+    (tmp_path / "empty.eqx").write_bytes(b"")
+    with pytest.raises(el.train.CheckpointError, match=r"empty.eqx is empty \(0 bytes\)"):
+        el.train.load_model(tmp_path / "empty.eqx", model)
+    np.save(tmp_path / "a.npy", np.ones((3, 2), np.float32))
+    with pytest.raises(el.train.CheckpointError, match="looks like a NumPy .npy file"):
+        el.train.load_model(tmp_path / "a.npy", model)
+    pytest.importorskip("orbax.checkpoint")
+    with el.train.OrbaxCheckpoints(tmp_path / "run", asynchronous=False) as checkpoints:
+        checkpoints.save(1, {"w": jnp.ones(2)}, {})
+    for where in (tmp_path / "run", tmp_path / "run" / "checkpoint_000000001"):
+        with pytest.raises(el.train.CheckpointError, match="is an orbax checkpoint directory"):
+            el.train.read_meta(where)
+        with pytest.raises(el.train.CheckpointError, match=r"OrbaxCheckpoints\(run_directory\)"):
+            el.train.load_checkpoint(where, {"w": jnp.ones(2)})
+
+
+@pytest.mark.parametrize(
+    "case, precision, match",
+    [
+        ("complex", None, r"batch\[0\] is complex \(complex64\)"),
+        ("beyond_float16", "mixed_fp16", r"batch\[0\] holds 16 values beyond float16's range"),
+    ],
+)
+def test_data_that_precision_or_jax_would_change_is_refused(case, precision, match):
+    x, y = _data()
+    x = np.asarray(x).astype(np.complex64) if case == "complex" else np.asarray(x) + 1e5
+    trainer = _trainer(precision=precision)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(x, y, epochs=1, micro_batch=8, key=jr.PRNGKey(1))
+    assert trainer.updates == 0
+
+
+def test_one_trainers_fit_from_two_threads_is_refused():
+    errors = []
+
+    def second_fit(trainer, metrics):
+        if metrics["updates"] == 1:
+            t = threading.Thread(target=lambda: errors.append(_second(trainer)))
+            t.start()
+            t.join()
+
+    def _second(trainer):
+        try:
+            trainer.fit(*_data(), epochs=1, micro_batch=8, key=jr.PRNGKey(1))
+        except RuntimeError as e:
+            return str(e)
+
+    trainer = _trainer(callback=second_fit)
+    trainer.fit(*_data(), epochs=1, micro_batch=8, key=jr.PRNGKey(1))
+    assert len(errors) == 1 and "fit is already running" in errors[0], errors
+    assert trainer.updates == 2  # the first fit went on; the second trained nothing
+    trainer.callback = None
+    trainer.fit(*_data(), epochs=1, micro_batch=8, key=jr.PRNGKey(1))  # free again
+    assert trainer.updates == 4

@@ -215,6 +215,24 @@ def save_checkpoint(path: str | os.PathLike, tree: Any, meta: dict[str, Any]) ->
 # ------------------------------------------------------------------------------- read
 
 
+def _directory_message(path: Path) -> str:
+    """What to do with a directory given where a checkpoint file was expected."""
+    from ._orbax import STEP_PREFIX, holds_orbax_steps
+
+    orbax = holds_orbax_steps(path) or (
+        path.name.startswith(STEP_PREFIX + "_") and (path / "meta").is_dir()
+    )
+    if orbax:
+        return (
+            f"{path} is an orbax checkpoint directory (checkpoint_format='orbax'), not a "
+            "checkpoint file: read it with eqx_lowmem.train.OrbaxCheckpoints(run_directory)"
+            ".read_meta() or .restore(like), or load_model(path, like) for the model."
+        )
+    if (path / CHECKPOINT_NAME).is_file():
+        return f"{path} is a directory; its checkpoint is {path / CHECKPOINT_NAME}."
+    return f"{path} is a directory, not a checkpoint file."
+
+
 class _Reader:
     """An open checkpoint: its validated header, and its leaves read on demand."""
 
@@ -223,7 +241,7 @@ class _Reader:
         try:
             self._f: BinaryIO = open(self.path, "rb")
         except IsADirectoryError:
-            raise CheckpointError(f"{self.path} is a directory, not a checkpoint file.") from None
+            raise CheckpointError(_directory_message(self.path)) from None
         except FileNotFoundError:
             raise
         except OSError as e:  # permissions, I/O errors

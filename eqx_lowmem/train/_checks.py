@@ -176,18 +176,49 @@ def check_eval_data(step_fn: Step, loss, state: TrainState, eval_data: Any, eval
         return
     if isinstance(eval_data, (tuple, list)):
         try:
-            check_data(loss, state.model, tuple(a for a in eval_data if a is not None))
+            arrays = tuple(a for a in eval_data if a is not None)
+            check_data(loss, state.model, arrays, step_fn.policy.compute_dtype)
         except ValueError as e:
             raise ValueError(f"eval_data (checked before training): {e}") from e
     check_model_accepts(step_fn, loss, state, eval_stream, what="eval_data")
 
 
-def check_data(loss, model: Any, batch: tuple) -> None:
-    """`check_batch` (NaN, labels out of range) and 64-bit integers JAX would wrap."""
+def check_data(loss, model: Any, batch: tuple, compute_dtype: Any = None) -> None:
+    """`check_batch` (NaN, labels out of range), and what JAX or the precision would
+    change silently: complex arrays (a real loss of them trains on their real part),
+    64-bit integers beyond 32 bits (wrapped without x64), and finite values beyond
+    float16's range under a float16 `compute_dtype` (cast to inf). Time: one pass over
+    the batch on the host (two under float16)."""
     arrays = tuple(np.asarray(x) for x in batch)
     for i, a in enumerate(arrays):
+        if np.iscomplexobj(a):
+            raise ValueError(
+                f"batch[{i}] is complex ({a.dtype}); the step trains on real data (a cast "
+                "to the compute dtype keeps only the real part). Pass the real and "
+                "imaginary parts as separate real features (np.stack([z.real, z.imag], -1))."
+            )
         check_fits_in_32_bits(f"batch[{i}]", a)
+        _check_fits_float16(f"batch[{i}]", a, compute_dtype)
     check_batch(loss, model, arrays)
+
+
+_FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def _check_fits_float16(name: str, a: np.ndarray, compute_dtype: Any) -> None:
+    if compute_dtype is None or np.dtype(compute_dtype) != np.float16 or not a.size:
+        return
+    if not np.issubdtype(a.dtype, np.floating) or a.dtype == np.float16:
+        return
+    big = np.abs(a) > _FLOAT16_MAX  # NaN compares False: check_batch names those
+    if big.any():
+        first = np.unravel_index(np.flatnonzero(big)[0], a.shape)
+        raise ValueError(
+            f"{name} holds {int(big.sum())} values beyond float16's range (+-{_FLOAT16_MAX:g}; "
+            f"first at index {tuple(int(j) for j in first)}: {a[first]}), which overflow to "
+            "inf when the float16 compute dtype casts them. Scale the data (e.g. normalise "
+            "it), or use precision='mixed_bf16' (bfloat16 has float32's range)."
+        )
 
 
 def check_model_accepts(
@@ -204,7 +235,7 @@ def check_model_accepts(
         )
     assert state is not None
     try:
-        check_data(loss, state.model, tuple(first))  # bad data, on the host
+        check_data(loss, state.model, tuple(first), step_fn.policy.compute_dtype)
     except ValueError as e:
         if what == "a micro-batch":
             raise

@@ -50,7 +50,7 @@ def evaluate(trainer, data: tuple | DataStream, micro_batch: int | None = None) 
     for i, batch in enumerate(stream):
         if trainer.check_data:  # as training batches are: NaN, labels out of range
             try:
-                check_data(trainer.loss, held, tuple(batch))
+                check_data(trainer.loss, held, tuple(batch), trainer.step_fn.policy.compute_dtype)
             except ValueError as e:
                 raise ValueError(f"evaluation data, batch {i + 1}: {e}") from e
         batch, weights = pad([tuple(jnp.asarray(x) for x in batch)], stream.batch_size)

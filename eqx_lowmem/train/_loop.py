@@ -107,11 +107,12 @@ def _host_check(trainer) -> Callable[[tuple], None]:
         trainer.state.model,
     )
     count = itertools.count()  # the batches of one epoch's prefetch start an update
+    dtype = trainer.step_fn.policy.compute_dtype
 
     def check(batch: tuple) -> None:
         index = next(count)
         try:
-            check_data(trainer.loss, model, tuple(batch))
+            check_data(trainer.loss, model, tuple(batch), dtype)
         except ValueError as e:
             raise _BadBatch(index, e) from e
 

@@ -79,15 +79,23 @@ def load_model(path: str | os.PathLike, like: Any) -> Any:
             "step directory): pass a model file, a checkpoint file or an orbax run directory."
         )
     with open(path, "rb") as f:
-        if f.read(len(_MAGIC)).startswith(_MAGIC[:-2]):
+        head = f.read(len(_MAGIC))
+        if head.startswith(_MAGIC[:-2]):
             return _load_from_checkpoint(path, like)
+        _check_not_other(path, head)
         f.seek(0)
         try:
             model = eqx.tree_deserialise_leaves(f, like)
         except Exception as e:  # numpy's and Equinox's errors for a short or other file
+            hint = (
+                " It looks like a NumPy .npy file of one array (np.save): read arrays with "
+                "np.load, models from files written by save_model."
+                if path.suffix == ".npy"
+                else ""
+            )
             raise CheckpointError(
                 f"{path} is not an Equinox model file shaped as `like` ({type(e).__name__}: "
-                f"{e}); build `like` as the model was built when it was saved."
+                f"{e}); build `like` as the model was built when it was saved.{hint}"
             ) from e
         if f.read(1):
             raise CheckpointError(
@@ -95,3 +103,19 @@ def load_model(path: str | os.PathLike, like: Any) -> Any:
                 "model. Build `like` as the model was built when it was saved."
             )
     return model
+
+
+def _check_not_other(path: Path, head: bytes) -> None:
+    """Refuse, by name, files that are plainly not an Equinox model file: an empty one, a
+    NumPy `.npy`/`.npz` (Equinox's files are a sequence of `.npy` records: the first leaf
+    alone would read as one)."""
+    if not head:
+        raise CheckpointError(
+            f"{path} is empty (0 bytes): not a model file. A save that was killed leaves the "
+            "old file or none (save_model writes atomically); this one was made elsewhere."
+        )
+    if head.startswith(b"PK\x03\x04"):
+        raise CheckpointError(
+            f"{path} is a zip archive (NumPy's .npz?), not an Equinox model file; pass a "
+            "file written by save_model or eqx.tree_serialise_leaves."
+        )

@@ -7,6 +7,7 @@ The class and `fit` are here; the rest of a run lives by concern: the training l
 
 import dataclasses
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -227,6 +228,7 @@ class Trainer:
         self._model = model
         self._model_state = model_state
         self.history: dict[str, list[float]] = {"train_loss": []}
+        self._fitting = threading.Lock()  # held while `fit` runs
         self._eval_fn = eval_function(loss, self.step_fn.policy, jit=compile, mesh=mesh)
 
     @property
@@ -320,11 +322,27 @@ class Trainer:
                 with no batches, a model that does not accept the data, a `checkpoint_dir`
                 that is a file, or a checkpoint made with other settings. TypeError: for a
                 key that is not a PRNG key. `DirectoryLockedError`: if another process is
-                training in `checkpoint_dir`.
+                training in `checkpoint_dir`. RuntimeError: if this Trainer's `fit` is
+                running already (another thread).
             FloatingPointError: for a non-finite loss without a loss scale (the update is
                 not applied, no checkpoint is written, and `trainer.state` is the last good
                 state), or `max_consecutive_skips` skipped updates in a row with one.
         """
+        if not self._fitting.acquire(blocking=False):
+            raise RuntimeError(
+                "this Trainer's fit is already running (in another thread, or re-entered "
+                "from a callback): one Trainer trains one run at a time. Wait for it to "
+                "return, or train a second model with a second Trainer (and its own "
+                "checkpoint_dir)."
+            )
+        try:
+            return self._fit(X, y, epochs, updates, micro_batch, key, shuffle, stream,
+                             eval_data, eval_every)  # fmt: skip
+        finally:
+            self._fitting.release()
+
+    def _fit(self, X, y, epochs, updates, micro_batch, key, shuffle, stream, eval_data,
+             eval_every) -> dict[str, list[float]]:  # fmt: skip
         check_fit_args(key, epochs, updates, eval_every, eval_data)
         data_key, state_key = jr.split(key)
         stream = make_stream(X, y, micro_batch, data_key, shuffle, stream, self.accumulate)
