@@ -359,3 +359,35 @@ def test_swapped_elements_and_an_edited_meta_item_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="was edited or is corrupt"):
         checkpoints.restore({"w": w}, step=5)
     checkpoints.close()
+
+
+_FULL_DISK = """
+import resource, signal, sys
+import jax, jax.numpy as jnp
+from eqx_lowmem.train import OrbaxCheckpoints
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+checkpoints = OrbaxCheckpoints(sys.argv[1], keep=None)
+checkpoints.save(1, {"w": jnp.zeros(50_000)}, {"n": 1})
+checkpoints.wait()
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))  # as a full disk
+checkpoints.save(2, {"w": jax.random.normal(jax.random.PRNGKey(0), (50_000,))}, {"n": 2})
+try:
+    checkpoints.wait()
+except OSError as e:
+    print("error:", e, flush=True)
+"""
+
+
+def test_a_save_that_cannot_write_names_the_directory_and_the_intact_checkpoint(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parent.parent,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("error:"))
+    assert f"saving checkpoint 2 in {tmp_path} failed: File too large" in line, line
+    assert f"{tmp_path / 'checkpoint_000000001'}, is intact" in line
+    with OrbaxCheckpoints(tmp_path, read_only=True) as checkpoints:
+        assert checkpoints.steps() == [1]
+        tree, meta = checkpoints.restore({"w": jnp.ones(50_000)})
+    assert meta == {"n": 1} and not np.asarray(tree["w"]).any()

@@ -29,8 +29,10 @@ orbax-checkpoint is an optional dependency (`pip install -e '.[orbax]'`), import
 `OrbaxCheckpoints` is made.
 """
 
+import contextlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,30 @@ def _step_of(p: Path) -> int | None:
     if name.startswith(prefix) and name[len(prefix) :].isdigit() and p.is_dir():
         return int(name[len(prefix) :])
     return None
+
+
+def _save_failure(directory: Path, step: int | None, error: Exception, whole: list[int]) -> str:
+    text = str(error)
+    code = re.search(r"os_error_code='?(\d+)", text)
+    if code is not None:
+        cause = os.strerror(int(code.group(1)))
+    elif isinstance(error, OSError) and error.strerror:
+        cause = error.strerror
+    else:
+        cause = f"{type(error).__name__}: {text.splitlines()[0][:300] if text else ''}"
+    which = "a checkpoint" if step is None else f"checkpoint {step}"
+    if whole:
+        kept = (
+            f"the newest whole checkpoint, {step_directory(directory, whole[-1])}, is intact "
+            "(a rerun resumes from it)"
+        )
+    else:
+        kept = "no earlier checkpoint is in it"
+    return (
+        f"saving {which} in {directory} failed: {cause}. {kept[0].upper() + kept[1:]}; the "
+        "failed save left only a temporary directory, removed by the next run. Free space "
+        "or fix the directory's permissions, then run again."
+    )
 
 
 # ------------------------------------------------------------------------------- leaves
@@ -247,27 +273,54 @@ class OrbaxCheckpoints:
             record["hash"] = digest
         header = {"meta": meta_json, "leaves": records, "sha256": checksum(meta_json, records)}
         ocp = self._ocp
-        if step in self._manager.all_steps():
+        with self._save_errors():  # the save in flight (orbax's save would wait for it too)
             self._manager.wait_until_finished()
-            self._manager.delete(step)
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{
-                    STATE_ITEM: ocp.args.PyTreeSave(stored),
-                    META_ITEM: ocp.args.JsonSave(header),
-                }
-            ),
-            force=True,
-        )
+            if step in self._manager.all_steps():
+                self._manager.delete(step)
+        with self._save_errors(step):
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{
+                        STATE_ITEM: ocp.args.PyTreeSave(stored),
+                        META_ITEM: ocp.args.JsonSave(header),
+                    }
+                ),
+                force=True,
+            )
+        self._in_flight = step
 
     def wait(self) -> None:
-        """Block until every save is on disk (and older checkpoints beyond `keep` deleted)."""
-        self._manager.wait_until_finished()
+        """Block until every save is on disk (and older checkpoints beyond `keep` deleted).
+
+        Raises:
+            OSError: if a save failed (a full disk, a read-only filesystem), naming the
+                directory, the cause and the newest whole checkpoint, which is intact.
+        """
+        with self._save_errors():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         """Wait for the saves in flight, then release orbax's threads."""
-        self._manager.close()
+        with self._save_errors():
+            self._manager.close()
+
+    _in_flight: int | None = None  # the step of the last asynchronous save started
+
+    @contextlib.contextmanager
+    def _save_errors(self, step: int | None = None):
+        """Orbax's and tensorstore's errors of a save (at the save, or at the next wait:
+        saves are asynchronous) as one OSError naming the directory, the cause and the
+        checkpoint that is intact."""
+        try:
+            yield
+        except Exception as e:
+            failed = self._in_flight if step is None else step
+            self._in_flight = None
+            raise OSError(_save_failure(self.directory, failed, e, self._whole_steps())) from e
+
+    def _whole_steps(self) -> list[int]:
+        return _finished_steps(self.directory)
 
     def __enter__(self):
         return self
