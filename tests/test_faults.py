@@ -342,3 +342,41 @@ def test_one_trainers_fit_from_two_threads_is_refused():
     trainer.callback = None
     trainer.fit(*_data(), epochs=1, micro_batch=8, key=jr.PRNGKey(1))  # free again
     assert trainer.updates == 4
+
+
+def _source_with_an_argument(path):
+    return iter([(np.zeros(2, np.float32),)])
+
+
+def test_arguments_of_the_wrong_kind_are_named_or_accepted():
+    from eqx_lowmem.data._prefetch import check_depth  # the suite's beartype would catch it first
+
+    with pytest.raises(TypeError, match=r"prefetch depth='2' is a str; expected an int >= 1"):
+        check_depth("2")
+    with pytest.raises(TypeError, match=r"source is a function taking arguments \(path\)"):
+        el.data.DataStream(_source_with_an_argument, 2)
+    assert el.memory.parse_size(np.int64(2**30), "budget") == 2**30
+    with pytest.raises(TypeError, match="budget must be an int .*got float 2.5"):
+        el.memory.parse_size(2.5, "budget")
+    model = el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0))
+    x = jax.ShapeDtypeStruct((4, 2), jnp.float32)
+    wanted = r"(?s)plan\(make_model=...\) takes a function .*got a\nMLP"
+    with pytest.raises(TypeError, match=wanted):
+        el.memory.plan(model, el.train.mse, optax.sgd(0.1), (x, x), budget=np.int64(2**30))
+
+
+def test_sparsify_exclude_as_one_string_is_one_path():
+    sparse = pytest.importorskip("eqx_lowmem.sparse")
+    model = el.nn.mlp([2, 8, 8, 1], key=jr.PRNGKey(0))
+    one = sparse.sparsify(model, 0.5, exclude=".layers[0]", key=jr.PRNGKey(1))
+    listed = sparse.sparsify(model, 0.5, exclude=[".layers[0]"], key=jr.PRNGKey(1))
+    assert isinstance(one.layers[0], eqx.nn.Linear) and not isinstance(one.layers[1], eqx.nn.Linear)
+    assert eqx.tree_equal(one, listed)
+
+
+def test_an_optimizer_needing_a_line_search_is_named():
+    step = el.train.make_step(el.train.mse, optax.lbfgs())
+    state = step.init(el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0)), key=jr.PRNGKey(1))
+    x = np.ones((4, 2), np.float32)
+    with pytest.raises(TypeError, match=r"line search \(optax.lbfgs needs value, grad"):
+        step(state, (x, x[:, :1]))

@@ -6,6 +6,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -34,7 +35,12 @@ def checked(batch: T, check: Callable[[T], None] | None) -> T:
     return batch
 
 
-def check_depth(depth: int) -> None:
+def check_depth(depth: Any) -> None:
+    if isinstance(depth, bool) or not isinstance(depth, (int, np.integer)):
+        raise TypeError(
+            f"prefetch depth={depth!r} is a {type(depth).__name__}; expected an int >= 1 "
+            "(batches read ahead; default 2), e.g. depth=2."
+        )
     if depth < 1:
         raise ValueError(f"prefetch depth={depth}; expected at least 1 batch ahead (default 2).")
 

@@ -1,5 +1,6 @@
 """`DataStream`: batches from arrays, `.npy` memory maps or an iterator, shuffled, resumable."""
 
+import inspect
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from itertools import chain, repeat
@@ -233,6 +234,7 @@ class DataStream:
                     "would hold every sample; pass shuffle_buffer=n to shuffle n samples at "
                     "a time."
                 )
+            _check_no_arguments(source)
             self._arrays = None
             self._factory = source
         else:
@@ -551,3 +553,20 @@ class DataStream:
                 f"the state says {start} batches of epoch {epoch} were served, but source() "
                 f"gave only {k}; it must yield the same samples each epoch to resume."
             )
+
+
+def _check_no_arguments(source: Callable[..., Any]) -> None:
+    """A source function is called with no arguments, once per epoch: refuse, when it is
+    built, one that needs some (it would fail at the first batch)."""
+    try:
+        signature = inspect.signature(source)
+    except (TypeError, ValueError):  # a builtin without a signature: let it be
+        return
+    try:
+        signature.bind()
+    except TypeError:
+        raise TypeError(
+            f"source is a function taking arguments {signature}; a DataStream calls it with "
+            "none, once per epoch, for a fresh iterator of samples. Bind them first, e.g. "
+            "DataStream(lambda: read(path, split), ...) or functools.partial(read, path)."
+        ) from None

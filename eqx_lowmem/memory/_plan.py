@@ -9,6 +9,7 @@ from typing import Any, Literal
 import equinox as eqx
 import jax
 import jax.random as jr
+import numpy as np
 import optax
 from jax.sharding import Mesh
 from jaxtyping import PRNGKeyArray, PyTree
@@ -71,13 +72,23 @@ def _sparsify(model: Any, density: float | None, key: Any) -> Any:
     return sparsify(model, density, key=key)
 
 
+_MAKE_MODEL = """\
+plan(make_model=...) takes a function that builds the model for a remat setting, got a
+{got}: the planner builds one model per candidate (remat changes the model).
+
+    el.memory.plan(model, loss, optimizer, batch, budget="8GiB")            # wrong
+    el.memory.plan(lambda remat: make(remat=remat, key=key), loss, optimizer, batch,
+                   budget="8GiB")                                           # right
+"""
+
+
 def plan(
     make_model: Callable[[Any], PyTree],
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,
     batch: Any,
     *,
-    budget: int | str,
+    budget: int | np.integer | str,
     remats: Sequence[Any] | None = None,
     accumulates: Sequence[int] = ACCUMULATES,
     precisions: Sequence[str | Policy] = PRECISIONS,
@@ -175,7 +186,9 @@ def plan(
         >>> p.best.peak_bytes <= 4 * 2**20
         True
     """
-    budget_bytes = parse_size(budget)
+    budget_bytes = parse_size(budget, "budget")
+    if isinstance(make_model, eqx.Module) or not callable(make_model):
+        raise TypeError(_MAKE_MODEL.format(got=type(make_model).__name__))
     remats, accumulates, precisions, densities, shards = _search_space(
         remats, accumulates, precisions, densities, mesh, shards, target, rank_for, measure, steps
     )

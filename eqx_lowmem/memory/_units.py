@@ -3,6 +3,8 @@
 import re
 from typing import Any
 
+import numpy as np
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -18,7 +20,7 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(size: object) -> int:
+def parse_size(size: object, name: str = "size") -> int:
     """Bytes from an int or a string with a unit: `"2GiB"`, `"512MiB"`, `"1.5GB"`, `"4096"`.
 
     Takes any object (so that a wrong one gets this function's own clear error): an int of
@@ -35,20 +37,22 @@ def parse_size(size: object) -> int:
         >>> parse_size("1.5GiB"), parse_size("512MiB"), parse_size("2GB")
         (1610612736, 536870912, 2000000000)
     """
+    if isinstance(size, np.integer):
+        size = int(size)
     if isinstance(size, bool) or not isinstance(size, (int, str)):
         hint = " (a fraction needs a unit: '2.5GiB')" if isinstance(size, float) else ""
         raise TypeError(
-            f"size must be an int (bytes) or a string such as '2GiB', got "
+            f"{name} must be an int (bytes) or a string such as '2GiB', got "
             f"{type(size).__name__} {size!r}{hint}."
         )
     if isinstance(size, int):
         if size < 0:
-            raise ValueError(f"size must be >= 0 bytes, got {size}.")
+            raise ValueError(f"{name} must be >= 0 bytes, got {size}.")
         return size
     match = _SIZE.match(size)
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(
-            f"size {size!r} is not a byte size; expected a number and a unit such as "
+            f"{name}={size!r} is not a byte size; expected a number and a unit such as "
             f"'2GiB', '512MiB', '1.5GB' or '4096' (units: KiB MiB GiB TiB KB MB GB TB)."
         )
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])

@@ -113,8 +113,8 @@ def sparsify(
             `ceil(nnz * (1 + slack))`, at most the dense size). DSR (`dsr`) moves weights
             between layers and needs them (0.1 is 10% more memory for the sparse layers);
             SET and RigL keep every layer's count and do not.
-        exclude: paths of layers to keep dense (`".layers[-1]"` style strings), or a
-            predicate `(path, layer) -> bool`.
+        exclude: paths of layers to keep dense (`".layers[-1]"` style strings; one string
+            is one path), or a predicate `(path, layer) -> bool`.
         storage: where each layer's slots are: `"indices"` (one integer per slot,
             `index_dtype`), `"bits"` (a bit set, one bit per dense weight: smaller above a
             density of 1/16 for int16 indices, 1/32 for int32) or `"auto"` (per layer,
@@ -158,6 +158,8 @@ def sparsify(
             "a fraction >= 0 of extra empty slots (0.1 for DSR)."
         )
     flat, treedef = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_node)
+    if isinstance(exclude, str):  # one path, not its characters
+        exclude = [exclude]
     excluded = set(exclude) if not callable(exclude) else set()
     targets: list[int] = []
     for i, (path, leaf) in enumerate(flat):

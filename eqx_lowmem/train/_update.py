@@ -129,7 +129,21 @@ def optimizer_update(
     """`optimizer.update`, under standard dtype promotion (optax mixes Python floats with
     int32 counters, e.g. Adam's bias correction, which strict promotion rejects)."""
     with jax.numpy_dtype_promotion("standard"):
-        return optimizer.update(grads, opt_state, params)
+        try:
+            return optimizer.update(grads, opt_state, params)
+        except TypeError as e:
+            if "missing" not in str(e) or "argument" not in str(e):
+                raise
+            raise TypeError(_EXTRA_ARGS.format(error=e)) from e
+
+
+_EXTRA_ARGS = (
+    "the optimizer's update needs arguments the step does not pass ({error}): the step "
+    "calls optimizer.update(grads, opt_state, params) once per update, from the "
+    "accumulated gradient. Optimizers with a line search (optax.lbfgs needs value, grad "
+    "and value_fn; optax.polyak_sgd needs value) are not supported: use a first-order one "
+    "such as optax.adam or optax.sgd."
+)
 
 
 def apply_updates(params: Any, updates: Any, *, param_dtype: Any, key: PRNGKeyArray) -> Any:
