@@ -380,3 +380,13 @@ def test_an_optimizer_needing_a_line_search_is_named():
     x = np.ones((4, 2), np.float32)
     with pytest.raises(TypeError, match=r"line search \(optax.lbfgs needs value, grad"):
         step(state, (x, x[:, :1]))
+
+
+def test_float16_overflow_of_activations_is_named_as_overflow():
+    model = el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0))
+    model = jax.tree.map(lambda p: p * 1000.0 if eqx.is_inexact_array(p) else p, model)
+    x = np.full((16, 2), 100.0, np.float32)  # finite in float16; the activations are not
+    trainer = el.train.Trainer(model, el.train.mse, optax.sgd(0.1), precision="mixed_fp16",
+                               max_consecutive_skips=2, progress=False)  # fmt: skip
+    with pytest.raises(FloatingPointError, match=r"beyond float16's largest value \(65504\)"):
+        trainer.fit(x, np.zeros((16, 1), np.float32), epochs=1, micro_batch=8, key=jr.PRNGKey(1))

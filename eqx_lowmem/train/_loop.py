@@ -166,8 +166,9 @@ def _finish(trainer, run: Run, bar: Progress, metrics: dict, epoch: int) -> None
                 f"non-finite loss or gradient at update {partial['updates'] + 1} of epoch "
                 f"{epoch + 1} (update {trainer.updates} of the run); that update was not "
                 "applied, no checkpoint was written, and trainer.state is the last good "
-                "state. Look for NaN or inf in the data, or lower the learning rate, clip "
-                "gradients, or use a loss scale with 16-bit compute."
+                "state. Look for NaN or inf in the data"
+                f"{_FLOAT16_HINT if _float16(trainer) else ''}, or lower the learning "
+                "rate, clip gradients, or use a loss scale with 16-bit compute."
             )
         run.skips += 1
         if run.skips >= trainer.max_consecutive_skips:
@@ -176,7 +177,8 @@ def _finish(trainer, run: Run, bar: Progress, metrics: dict, epoch: int) -> None
                 f"gradient (the last: update {partial['updates'] + 1} of epoch "
                 f"{epoch + 1}), down to a loss scale of {values['loss_scale']:g}: the "
                 "data or the model, not the scale, is at fault (look for NaN or inf in "
-                "the data). Raise max_consecutive_skips if the scale needs longer."
+                f"the data{_FLOAT16_HINT if _float16(trainer) else ''}). Raise "
+                "max_consecutive_skips if the scale needs longer."
             )
     else:
         run.skips = 0
@@ -192,6 +194,17 @@ def _finish(trainer, run: Run, bar: Progress, metrics: dict, epoch: int) -> None
             trainer,
             {"epoch": epoch, "update": partial["updates"], "updates": trainer.updates, **values},
         )
+
+
+_FLOAT16_HINT = (
+    "; under float16 compute, activations or a loss beyond float16's largest value "
+    "(65504) overflow to inf: normalise the inputs, or use precision='mixed_bf16' "
+    "(bfloat16 has float32's range)"
+)
+
+
+def _float16(trainer) -> bool:
+    return jnp.dtype(trainer.step_fn.policy.compute_dtype) == jnp.float16
 
 
 def _nonfinite_parameters(trainer, run: Run, epoch: int) -> str:
