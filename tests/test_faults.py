@@ -390,3 +390,12 @@ def test_float16_overflow_of_activations_is_named_as_overflow():
                                max_consecutive_skips=2, progress=False)  # fmt: skip
     with pytest.raises(FloatingPointError, match=r"beyond float16's largest value \(65504\)"):
         trainer.fit(x, np.zeros((16, 1), np.float32), epochs=1, micro_batch=8, key=jr.PRNGKey(1))
+
+
+def test_big_endian_arrays_are_refused_when_the_stream_is_built(tmp_path):
+    x = np.arange(8.0, dtype=">f4").reshape(4, 2)
+    np.save(tmp_path / "x.npy", x)
+    with pytest.raises(ValueError, match=r"x.npy \(source\[0\]\) is big-endian \(>f4\)"):
+        el.data.DataStream((str(tmp_path / "x.npy"),), 2)
+    with pytest.raises(ValueError, match=r"source\[1\] is big-endian .*astype\('<f4'\)"):
+        el.data.DataStream((x.astype("<f4"), x), 2)

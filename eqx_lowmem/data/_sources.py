@@ -136,6 +136,18 @@ def open_arrays(source: Sequence[Any]) -> tuple[list[np.ndarray], list[Watched]]
             array = np.asarray(item)
         if not _numeric(array.dtype):
             raise _dtype_error(f"source[{i}]", array.dtype)
+        if not array.dtype.isnative:
+            where = (
+                f"{item} (source[{i}])"
+                if isinstance(item, (str, os.PathLike))
+                else (f"source[{i}]")
+            )
+            raise ValueError(
+                f"{where} is big-endian ({array.dtype.str}); JAX takes arrays in this "
+                "machine's byte order only. Convert it once: "
+                "a = a.astype(a.dtype.newbyteorder('=')) (for a .npy file: "
+                f"np.save(path, np.load(path).astype('{array.dtype.newbyteorder('=').str}')))."
+            )
         if array.ndim == 0:
             raise ValueError(
                 f"source[{i}] is a scalar; each array needs a first axis of samples, "
