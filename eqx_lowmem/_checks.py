@@ -159,8 +159,9 @@ def check_path(name: str, value: Any, *, kind: str = "file") -> None:
             f"{name} must be a {kind} path (a str or pathlib.Path), got {_described(value)}."
         )
     if os.fspath(value) == "":
+        example = "'runs/run1'" if kind == "directory" else "'runs/model.eqx'"
         raise ValueError(
-            f"{name}='' is empty; expected a {kind} path, e.g. {name}='runs/run1'. (An empty "
+            f"{name}='' is empty; expected a {kind} path, e.g. {name}={example}. (An empty "
             "path would be the working directory.)"
         )
 

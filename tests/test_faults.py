@@ -399,3 +399,25 @@ def test_big_endian_arrays_are_refused_when_the_stream_is_built(tmp_path):
         el.data.DataStream((str(tmp_path / "x.npy"),), 2)
     with pytest.raises(ValueError, match=r"source\[1\] is big-endian .*astype\('<f4'\)"):
         el.data.DataStream((x.astype("<f4"), x), 2)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda m: el.train.save_checkpoint("", {"w": jnp.ones(2)}, {}), ValueError, "path=''"),
+        (lambda m: el.train.read_meta(""), ValueError, "path='' is empty; expected a file path"),
+        (lambda m: el.train.load_model("", m), ValueError, "path='' is empty"),
+        (lambda m: el.train.save_model("", m), ValueError, "path='' is empty"),
+        (lambda m: el.train.lock_directory("").__enter__(), ValueError, "checkpoint_dir=''"),
+        (lambda m: el.train.save_model("m.eqx", None), TypeError, "holds no arrays"),
+        (lambda m: _trainer().evaluate(_data(), micro_batch=0), ValueError, "micro_batch must"),
+    ],
+    ids=["save_checkpoint", "read_meta", "load_model", "save_model", "lock_directory",
+         "save_model_none", "evaluate_micro_batch_0"],
+)  # fmt: skip
+def test_empty_paths_and_models_are_refused_by_name(tmp_path, monkeypatch, call, error, match):
+    monkeypatch.chdir(tmp_path)
+    before = sorted(tmp_path.iterdir())
+    with pytest.raises(error, match=match):
+        call(el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0)))
+    assert sorted(tmp_path.iterdir()) == before  # nothing written into the working directory

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._checks import check_path
 from .._io import atomic_write, clean_stale_temporaries as clean_stale_temporaries
 
 # The Trainer's checkpoint file in its `checkpoint_dir`. Not `.eqx`: it is not Equinox's
@@ -158,6 +159,7 @@ def save_checkpoint(path: str | os.PathLike, tree: Any, meta: dict[str, Any]) ->
         >>> tree["w"].tolist(), meta
         ([1.0, 1.0, 1.0], {'epoch': 1})
     """
+    check_path("path", path)
     path = Path(path)
     try:
         meta_json = json.loads(json.dumps(meta))
@@ -237,6 +239,7 @@ class _Reader:
     """An open checkpoint: its validated header, and its leaves read on demand."""
 
     def __init__(self, path: str | os.PathLike):
+        check_path("path", path)
         self.path = Path(path)
         try:
             self._f: BinaryIO = open(self.path, "rb")
@@ -558,6 +561,7 @@ def lock_directory(directory: str | os.PathLike) -> Iterator[Path]:
         NotADirectoryError: if `directory` is a file.
         DirectoryLockedError: if another holder has it.
     """
+    check_path("checkpoint_dir", directory, kind="directory")
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise NotADirectoryError(

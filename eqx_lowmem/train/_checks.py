@@ -41,6 +41,7 @@ def check_trainer_args(
     config,
     checkpoint_format,
     log_dir=None,
+    callback=None,
 ) -> dict[str, Any] | None:
     """The checks of `Trainer(...)`'s arguments; returns `config` as JSON would give it back."""
     for name, d in (("checkpoint_dir", checkpoint_dir), ("log_dir", log_dir)):
@@ -64,6 +65,16 @@ def check_trainer_args(
         raise ValueError(f"progress must be True, False, 'bar' or 'log', got {progress!r}.")
     if interrupt not in ("exit", "raise"):
         raise ValueError(f"interrupt must be 'exit' or 'raise', got {interrupt!r}.")
+    if callback is not None and not callable(callback):
+        raise TypeError(
+            f"callback must be a function callback(trainer, metrics) or None, got "
+            f"{type(callback).__name__} {callback!r}."
+        )
+    if config is not None and not isinstance(config, dict):
+        raise TypeError(
+            f"config must be a JSON-serialisable dict of your settings (e.g. "
+            f"{{'layers': 4}}), got {type(config).__name__} {config!r}."
+        )
     if config is not None:
         try:
             config = json.loads(json.dumps(config))

@@ -4,6 +4,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .._checks import check_int
 from ..data import DataStream
 from ..precision._policy import Policy
 from ._batches import pad
@@ -42,6 +43,7 @@ def eval_function(loss, policy: Policy, jit: bool, mesh: Mesh | None = None):
 
 def evaluate(trainer, data: tuple | DataStream, micro_batch: int | None = None) -> float:
     """`Trainer.evaluate`: the mean loss over every sample of `data`."""
+    check_int("micro_batch", micro_batch, 1, none=True, alternative="samples per batch")
     stream = data if isinstance(data, DataStream) else make_eval_stream(data, micro_batch or 256)
     assert stream is not None
     held, model_state = trainer._held()

@@ -150,7 +150,7 @@ def make_step(
         >>> int(state.step)
         1
     """
-    _check_args(accumulate, optimizer, mesh, data_axis, shard, after_update)
+    _check_args(loss_fn, accumulate, optimizer, mesh, data_axis, shard, after_update)
     policy = get_policy(precision)
     accumulate_dtype = check_accumulate_dtype(accumulate_dtype)
     loss_scale = _loss_scale(loss_scale, policy, accumulate_dtype)
@@ -172,8 +172,13 @@ def make_step(
     return Step(config)
 
 
-def _check_args(accumulate, optimizer, mesh, data_axis, shard, after_update) -> None:
+def _check_args(loss_fn, accumulate, optimizer, mesh, data_axis, shard, after_update) -> None:
     check_int("accumulate", accumulate, 1, alternative="micro-batches per batch")
+    if not callable(loss_fn) or isinstance(loss_fn, str):
+        raise TypeError(
+            f"loss must be a function loss(model, *batch) returning per-sample values, got "
+            f"{type(loss_fn).__name__} {loss_fn!r}; for example eqx_lowmem.train.mse."
+        )
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
             f"optimizer must be an optax.GradientTransformation, got "

@@ -5,7 +5,9 @@ from pathlib import Path
 from typing import Any
 
 import equinox as eqx
+import jax
 
+from .._checks import check_path
 from .._io import atomic_write
 from ._checkpoint import _MAGIC, CheckpointError, load_model as _load_from_checkpoint
 from ._orbax import STEP_PREFIX, OrbaxCheckpoints, holds_orbax_steps
@@ -37,6 +39,12 @@ def save_model(path: str | os.PathLike, model: Any, *, densify: bool = False) ->
         >>> bool((eqx.tree_deserialise_leaves(p, like).weight == model.weight).all())
         True
     """
+    check_path("path", path)
+    if not any(eqx.is_array(x) for x in jax.tree.leaves(model)):
+        raise TypeError(
+            f"save_model(model=...) got {type(model).__name__}, which holds no arrays: there "
+            "would be nothing to save. Pass the model itself, e.g. trainer.model."
+        )
     if densify:
         from ..sparse import densify as to_dense
 
@@ -65,6 +73,7 @@ def load_model(path: str | os.PathLike, like: Any) -> Any:
         FileNotFoundError: if `path` does not exist.
         CheckpointError: if it cannot be read or holds no model shaped as `like`.
     """
+    check_path("path", path)
     path = Path(path)
     if path.is_dir():
         if holds_orbax_steps(path):

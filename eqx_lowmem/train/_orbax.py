@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._checks import check_path
 from ._checkpoint import (
     CheckpointError,
     _check_expect,
@@ -196,6 +197,7 @@ class OrbaxCheckpoints:
         """
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             raise ValueError(f"keep must be None or an int >= 1, got {keep!r}.")
+        check_path("directory", directory, kind="directory")
         ocp = _ocp()
         self._ocp = ocp
         self.directory = Path(directory).absolute()

@@ -190,6 +190,7 @@ class Trainer:
             config=config,
             checkpoint_format=checkpoint_format,
             log_dir=log_dir,
+            callback=callback,
         )
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         self.checkpoint_format = checkpoint_format
