@@ -421,3 +421,33 @@ def test_empty_paths_and_models_are_refused_by_name(tmp_path, monkeypatch, call,
     with pytest.raises(error, match=match):
         call(el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0)))
     assert sorted(tmp_path.iterdir()) == before  # nothing written into the working directory
+
+
+_FULL_LOG_DISK = """
+import resource, signal, sys, time, warnings
+from eqx_lowmem.train._tensorboard import ScalarWriter
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.RLIM_INFINITY))  # as a full disk
+writer = ScalarWriter(sys.argv[1])
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for step in range(2000):
+        writer.scalars(step, {"train/loss": 0.5})
+        if step % 100 == 0:
+            time.sleep(0.05)  # let the writer thread write (and fail)
+        if caught:
+            break
+print("warned at", step, ":", caught[0].message if caught else None, flush=True)
+writer.close()
+"""
+
+
+def test_tensorboard_scalars_that_cannot_be_written_are_named_once(tmp_path):
+    pytest.importorskip("tensorboardX")
+    out = subprocess.run(
+        [sys.executable, "-c", _FULL_LOG_DISK, str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"can no longer be written to {tmp_path}" in out.stdout, (out.stdout, out.stderr)
+    assert "checkpoints are unaffected" in out.stdout

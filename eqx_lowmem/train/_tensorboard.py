@@ -14,6 +14,7 @@ writer is made. Only process 0 writes. Tags, each at the run's update count:
 import contextlib
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ class ScalarWriter:
 
     def scalars(self, step: int, values: dict[str, float | None]) -> None:
         """Write each value that is not None at `step`."""
-        if self._writer is None:
+        if self._writer is None or not self._alive():
             return
         for tag, value in values.items():
             if value is not None:
@@ -108,6 +109,25 @@ class ScalarWriter:
                 "train/memory_bytes_in_use": memory_in_use(),
             },
         )
+
+    def _alive(self) -> bool:
+        """Whether tensorboardX's writer thread still runs. It dies on a write error (a full
+        disk, a removed directory), after which it would drop every scalar silently (and,
+        once its queue is full, block the run): then warn once and stop writing."""
+        file_writer = getattr(self._writer, "file_writer", None)
+        worker = getattr(getattr(file_writer, "event_writer", None), "_worker", None)
+        if worker is None or worker.is_alive():
+            return True
+        self._writer = None  # not closed: closing waits on the dead thread's queue
+        warnings.warn(
+            f"TensorBoard scalars can no longer be written to {self.log_dir}: tensorboardX's "
+            "writer stopped on an error (a full disk, or the directory removed or made "
+            "read-only). Training goes on without them and the checkpoints are unaffected; "
+            "free space and run again to log again (a resumed run appends).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return False
 
     def flush(self) -> None:
         if self._writer is not None:
