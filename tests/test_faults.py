@@ -73,7 +73,7 @@ def test_a_refused_relaunch_leaves_the_running_jobs_files_alone(tmp_path):
                 assert (tmp_path / temporary).read_bytes() == b"half a checkpoint"
                 assert not (tmp_path / CHECKPOINT_NAME).exists()
                 # Deleting the lock file by hand does not admit a second writer.
-                (tmp_path / el.train._checkpoint.LOCK_NAME).unlink(missing_ok=True)
+                (tmp_path / el.train._lock.LOCK_NAME).unlink(missing_ok=True)
         finally:
             job.kill()
     # The job is dead: its temporary is stale, and the next run removes it.

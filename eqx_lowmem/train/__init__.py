@@ -4,13 +4,12 @@ from ._accumulate import Sums as Sums, accumulate as accumulate, loss_grad as lo
 from ._checkpoint import (
     CHECKPOINT_NAME as CHECKPOINT_NAME,
     CheckpointError as CheckpointError,
-    DirectoryLockedError as DirectoryLockedError,
     clean_stale_temporaries as clean_stale_temporaries,
     load_checkpoint as load_checkpoint,
-    lock_directory as lock_directory,
     read_meta as read_meta,
     save_checkpoint as save_checkpoint,
 )
+from ._lock import DirectoryLockedError as DirectoryLockedError, lock_directory as lock_directory
 from ._loss import LossOutput as LossOutput, call_loss as call_loss, mean_loss as mean_loss
 from ._losses import (
     cross_entropy as cross_entropy,

@@ -17,12 +17,10 @@ leaves have other paths, shapes or dtypes, and `load_model` finds a model's leav
 a Trainer's checkpoint.
 """
 
-import contextlib
 import json
 import os
 import struct
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -37,7 +35,6 @@ from .._io import atomic_write, clean_stale_temporaries as clean_stale_temporari
 # The Trainer's checkpoint file in its `checkpoint_dir`. Not `.eqx`: it is not Equinox's
 # `tree_serialise_leaves` format, and `eqx.tree_deserialise_leaves` cannot read it.
 CHECKPOINT_NAME = "checkpoint.ckpt"
-LOCK_NAME = ".eqx_lowmem.lock"
 
 _MAGIC = b"EQXLOWMEM-CKPT 2\n"
 _OLD_MAGICS = (b"EQXLOWMEM-CKPT 1\n",)
@@ -50,10 +47,6 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be read (truncated, corrupt, not a checkpoint) or does not match
     what it is loaded into (another model, optimizer or configuration). The message names
     the file and what is wrong."""
-
-
-class DirectoryLockedError(RuntimeError):
-    """Another process holds the run directory (`lock_directory`)."""
 
 
 # ------------------------------------------------------------------------------- leaves
@@ -536,87 +529,3 @@ def load_model(path: str | os.PathLike, like: Any) -> Any:
                 value = value.astype(leaves[i].dtype)
             leaves[i] = value
         return jax.tree.unflatten(treedef, leaves)
-
-
-# ------------------------------------------------------------------------------- run directory
-
-
-@contextlib.contextmanager
-def lock_directory(directory: str | os.PathLike) -> Iterator[Path]:
-    """Hold `directory` for one run: a second process (or a second holder in this one)
-    gets `DirectoryLockedError` naming the holder, instead of both writing checkpoints.
-
-    Creates the directory. The lock is `fcntl.flock` on the directory itself (deleting a
-    file by hand cannot release it) and on `directory / LOCK_NAME`, which holds the
-    holder's pid and host for the message; the operating system releases both when the
-    process exits, however it exits (SIGKILL included), so a stale lock file does not block
-    the next run. Not enforced on Windows (no `fcntl`) or on filesystems where `flock` is
-    local to one host (some NFS set-ups); with several processes of one run, lock on
-    process 0 only.
-
-    Yields:
-        The directory, as a `Path`.
-
-    Raises:
-        NotADirectoryError: if `directory` is a file.
-        DirectoryLockedError: if another holder has it.
-    """
-    check_path("checkpoint_dir", directory, kind="directory")
-    directory = Path(directory)
-    if directory.exists() and not directory.is_dir():
-        raise NotADirectoryError(
-            f"checkpoint_dir={str(directory)!r} is a file; pass a directory (it is created)."
-        )
-    directory.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # Windows: no advisory lock
-        yield directory
-        return
-    with contextlib.ExitStack() as stack:
-        dir_fd = _open_fd(stack, directory, os.O_RDONLY)
-        try:
-            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _locked(directory, _holder(directory / LOCK_NAME)) from None
-        except OSError:
-            pass  # no flock on directories here: the lock file alone
-        else:
-            stack.callback(fcntl.flock, dir_fd, fcntl.LOCK_UN)
-        fd = _open_fd(stack, directory / LOCK_NAME, os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise _locked(directory, _holder(directory / LOCK_NAME)) from None
-        stack.callback(fcntl.flock, fd, fcntl.LOCK_UN)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {_host()}\n".encode(), 0)
-        stack.callback(os.ftruncate, fd, 0)
-        yield directory
-
-
-def _open_fd(stack: contextlib.ExitStack, path: Path, flags: int) -> int:
-    fd = os.open(path, flags, 0o666)
-    stack.callback(os.close, fd)
-    return fd
-
-
-def _holder(lock_path: Path) -> str:
-    try:
-        return lock_path.read_text("utf-8", "replace").strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def _locked(directory: Path, holder: str) -> DirectoryLockedError:
-    return DirectoryLockedError(
-        f"{directory} is in use by another run ({holder}); wait for it to finish, "
-        "or give this run its own checkpoint_dir."
-    )
-
-
-def _host() -> str:
-    try:
-        return os.uname().nodename
-    except AttributeError:  # Windows
-        return os.environ.get("COMPUTERNAME", "this host")

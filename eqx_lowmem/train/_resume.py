@@ -29,10 +29,10 @@ from ._checkpoint import (
     CheckpointError,
     clean_stale_temporaries,
     load_checkpoint,
-    lock_directory,
     read_meta,
     save_checkpoint,
 )
+from ._lock import lock_directory
 from ._orbax import OrbaxCheckpoints, holds_orbax_steps, newest_step_directory
 from ._run import Run
 
