@@ -10,6 +10,11 @@ from .helpers import SUITE_XLA_FLAGS, USERS_COMPILER, compile_cache_env
 # (importing jax does not start it); subprocesses inherit it.
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *SUITE_XLA_FLAGS]).strip()
 
+# With the CUDA plugin installed (the gpu-plan extra) and no GPU here, JAX would try CUDA
+# first in every process and log why it cannot; compile-only GPU targets need no CUDA
+# backend (tests/test_targets.py also runs a process without this).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 # Strict promotion catches silent float64/int upcasts and accidental broadcasting.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -40,7 +40,7 @@ def planned():
 
 
 def test_plan_returns_the_fastest_fitting_combination(planned):
-    assert planned.budget == 2**30 and planned.target == "compiled"
+    assert planned.budget == 2**30 and planned.peak == "compiled"
     assert len(planned.candidates) == 8
     assert planned.skipped == ("accumulate=3: does not divide the batch of 8",)
     best = planned.best
@@ -98,7 +98,7 @@ def test_monotone_for_any_pair_of_budgets(planned, data):
 
 def test_planning_for_an_accelerator_prefers_16_bit_compute(planned):
     # Same candidates, ranked for a GPU: equal matrix FLOPs go to bf16 compute.
-    for_gpu = dataclasses.replace(planned, target="accelerator").within(planned.budget)
+    for_gpu = dataclasses.replace(planned, peak="accelerator").within(planned.budget)
     assert (for_gpu.best.remat, for_gpu.best.accumulate) == (False, 1)
     assert for_gpu.best.precision == "mixed_bf16"
 
@@ -134,8 +134,12 @@ def test_errors_name_the_argument(planned):
         el.memory.plan(*args, budget="1GiB", accumulates=(3, 5))
     with pytest.raises(ValueError, match="nothing to search"):
         el.memory.plan(*args, budget="1GiB", remats=())
-    with pytest.raises(ValueError, match="target="):
-        el.memory.plan(*args, budget="1GiB", target="tpu")
+    with pytest.raises(ValueError, match="target='tpu9' is not a known target"):
+        el.memory.plan(*args, budget="1GiB", target="tpu9")
+    with pytest.raises(ValueError, match="peak='gpu'; expected one of"):
+        el.memory.plan(*args, budget="1GiB", peak="gpu")
+    with pytest.raises(ValueError, match="plan needs budget= for target='cpu'"):
+        el.memory.plan(*args)
 
 
 def tiny(remat):

@@ -23,4 +23,5 @@ from ._result import (
     ActivationGroup as ActivationGroup,
     MemoryReport as MemoryReport,
 )
+from ._target import Target as Target
 from ._units import format_bytes as format_bytes, parse_size as parse_size

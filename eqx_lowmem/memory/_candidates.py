@@ -27,7 +27,7 @@ class Candidate:
         density: the sparse layers' density (`eqx_lowmem.sparse.sparsify`), None for dense.
         report: its full `MemoryReport` (per device with a mesh).
         budget: the budget in bytes it was judged against.
-        target: which peak must fit: `"compiled"` or `"accelerator"`.
+        peak: which peak must fit: `"compiled"` or `"accelerator"`.
         seconds: the measured median seconds per step with `measure=True`, else None.
     """
 
@@ -38,14 +38,14 @@ class Candidate:
     density: float | None
     report: MemoryReport
     budget: int
-    target: str
+    peak: str
     seconds: float | None = None
 
     @property
     def peak_bytes(self) -> int:
         """The peak compared with the budget: the compiled one, or the GPU/TPU estimate."""
         r = self.report
-        return r.peak_bytes if self.target == "compiled" else r.accelerator_peak_bytes
+        return r.peak_bytes if self.peak == "compiled" else r.accelerator_peak_bytes
 
     @property
     def fits(self) -> bool:
@@ -90,20 +90,20 @@ class Candidate:
         }
 
 
-def rank_device(target: str, backend: str, rank_for: str | Throughput | None) -> str:
+def rank_device(peak: str, backend: str, rank_for: str | Throughput | None) -> str:
     """The device kind a plan ranks for: `rank_for`, else the backend compiled on, or
-    `"gpu"` when planning on XLA:CPU for an accelerator (`target="accelerator"`)."""
+    `"gpu"` when planning on XLA:CPU for an accelerator (`peak="accelerator"`)."""
     if isinstance(rank_for, Throughput):
         return "custom"
     if rank_for is not None:
         return rank_for
-    return "gpu" if target == "accelerator" and backend == "cpu" else backend
+    return "gpu" if peak == "accelerator" and backend == "cpu" else backend
 
 
-def _throughput(target: str, backend: str, rank_for: str | Throughput | None) -> Throughput:
+def _throughput(peak: str, backend: str, rank_for: str | Throughput | None) -> Throughput:
     if isinstance(rank_for, Throughput):
         return rank_for
-    return THROUGHPUTS.get(rank_device(target, backend, rank_for), THROUGHPUTS["gpu"])
+    return THROUGHPUTS.get(rank_device(peak, backend, rank_for), THROUGHPUTS["gpu"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,25 +114,31 @@ class Plan:
         best: the fastest candidate that fits (the densest, with sparse densities).
         candidates: every candidate compiled, in search order, judged against `budget`.
         budget: the budget in bytes.
-        target: which peak was compared with the budget: `"compiled"` (the figure of the
+        peak: which peak was compared with the budget: `"compiled"` (the figure of the
             backend that compiled it) or `"accelerator"` (the GPU/TPU estimate).
         ranked_by: `"estimate"` (the estimated time on `rank_for`'s device kind) or
             `"measured"` (seconds per step, timed here).
         backend: the backend the candidates were compiled (and measured) on.
         rank_for: the device kind (`"cpu"`, `"gpu"`, `"tpu"`) or `Throughput` the
-            estimate ranks for; None: the backend, or `"gpu"` for `target="accelerator"`
+            estimate ranks for; None: the backend, or `"gpu"` for `peak="accelerator"`
             on XLA:CPU.
         skipped: accumulate values left out, with the reason.
+        device: the device planned for (`Target.describe()`), e.g. `"NVIDIA A100-SXM4-40GB
+            (compile-only target 'a100-40gb')"`.
+        budget_from: where the budget came from when not given: the target's memory times
+            the share XLA may use; `""` when given.
     """
 
     best: Candidate
     candidates: tuple[Candidate, ...]
     budget: int
-    target: str
+    peak: str
     ranked_by: str
     backend: str
     rank_for: str | Throughput | None = None
     skipped: tuple[str, ...] = ()
+    device: str = ""
+    budget_from: str = ""
 
     def within(self, budget: int | str):
         """The same candidates chosen under another budget, without compiling again.
@@ -144,7 +150,7 @@ class Plan:
         """
         budget_bytes = parse_size(budget)
         candidates = tuple(
-            dataclasses.replace(c, budget=budget_bytes, target=self.target) for c in self.candidates
+            dataclasses.replace(c, budget=budget_bytes, peak=self.peak) for c in self.candidates
         )
         untimed = [
             c for c in candidates if self.ranked_by == "measured" and c.seconds is None and c.fits
@@ -159,7 +165,7 @@ class Plan:
 
     def estimated(self, c: Candidate) -> float:
         """`c`'s estimated step time relative to the best's (1.0 for the best)."""
-        rate = _throughput(self.target, self.backend, self.rank_for)
+        rate = _throughput(self.peak, self.backend, self.rank_for)
         best = relative_time(self.best.report.cost, rate)
         return relative_time(c.report.cost, rate) / max(best, 1e-30)
 
@@ -167,8 +173,8 @@ class Plan:
         """What the ranking is based on, in words."""
         if self.ranked_by == "measured":
             return f"measured seconds per step on {self.backend}"
-        device = rank_device(self.target, self.backend, self.rank_for)
-        t = _throughput(self.target, self.backend, self.rank_for)
+        device = rank_device(self.peak, self.backend, self.rank_for)
+        t = _throughput(self.peak, self.backend, self.rank_for)
         return (
             f"estimated step time on a {device.upper()} from the step's FLOPs (16-bit matrix "
             f"products at {t.matmul16 / t.matmul32:.2g}x float32's rate, other work at "
@@ -189,9 +195,11 @@ class Plan:
             + f"  {'fits':<5}{'largest part':<22}"
         )
         lines = [
-            f"Plan for a budget of {format_bytes(self.budget)} ({self.target} peak"
+            f"Plan for a budget of {format_bytes(self.budget)} ({self.peak} peak"
             + (", per device" if self.candidates[0].report.config.get("devices", 1) > 1 else "")
+            + (f" of {self.device}" if self.device else "")
             + f"): {self.best.label}",
+            *([f"Budget: {self.budget_from}."] if self.budget_from else []),
             f"Ranked by {self.ranking()}.",
             head,
         ]
@@ -222,10 +230,12 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "budget": self.budget,
-            "target": self.target,
+            "peak": self.peak,
             "ranked_by": self.ranked_by,
             "ranking": self.ranking(),
             "backend": self.backend,
+            "device": self.device,
+            "budget_from": self.budget_from,
             "best": self.candidates.index(self.best),
             "candidates": [c.to_dict() for c in self.candidates],
             "skipped": list(self.skipped),
@@ -252,7 +262,7 @@ def _rank(c: Candidate, plan: Plan) -> tuple:
     if plan.ranked_by == "measured":
         speed = c.seconds if c.seconds is not None else math.inf
     else:
-        speed = relative_time(c.report.cost, _throughput(plan.target, plan.backend, plan.rank_for))
+        speed = relative_time(c.report.cost, _throughput(plan.peak, plan.backend, plan.rank_for))
     return (-density, speed, c.accumulate, SHARDS.index(c.shard), c.flops, c.peak_bytes)
 
 
@@ -265,7 +275,7 @@ def _choose(plan: Plan) -> Plan:
         part, n = smallest.report.dominant
         raise BudgetError(
             f"no combination fits budget={format_bytes(plan.budget)} ({plan.budget} bytes): "
-            f"the smallest {plan.target} peak found is {format_bytes(smallest.peak_bytes)}, "
+            f"the smallest {plan.peak} peak found is {format_bytes(smallest.peak_bytes)}, "
             f"with {smallest.label}, and its largest part is {PART_LABELS[part]} "
             f"({format_bytes(n)}, {100 * n / max(smallest.peak_bytes, 1):.0f}%). Raise the "
             f"budget to at least {format_bytes(smallest.peak_bytes)}, or shrink the "

@@ -20,6 +20,7 @@ over `--devices`).
 """
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -39,6 +40,7 @@ from ._candidates import BudgetError
 from ._cli_args import OPTIMIZERS, make_parser, parse
 from ._plan import default_remats, plan
 from ._report import memory_report
+from ._target import Target
 
 BUILTIN_MODELS = ("encoder", "lm")
 
@@ -249,6 +251,7 @@ def _report(args, factory, spec: str, user: bool, mesh) -> None:
             precision=args.precision,
             mesh=mesh,
             shard=args.shard,
+            target=_target(args),
             measure=args.measure,
             name=spec,
         ),
@@ -291,7 +294,8 @@ def _plan(args, factory, spec: str, user: bool, mesh) -> None:
             densities=args.densities,
             mesh=mesh,
             shards=args.shards,
-            target=args.target,
+            target=_target(args),
+            peak=args.peak,
             rank_for=args.rank_for,
             measure=args.measure,
             steps=args.steps,
@@ -309,6 +313,12 @@ def _plan(args, factory, spec: str, user: bool, mesh) -> None:
 
         plot_plan(result, args.plot)
         print(f"wrote {args.plot}")
+
+
+def _target(args) -> Target:
+    """`--target` and `--devices` as a `Target` (a GPU target has the devices itself)."""
+    target = Target(args.target or "cpu")
+    return dataclasses.replace(target, devices=args.devices) if target.compile_only else target
 
 
 def _host_devices(devices: int) -> None:
@@ -331,8 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_output("--plot", args.plot)
         if args.command == "report" and args.shard != "data" and args.devices == 1:
             raise ValueError(f"--shard {args.shard} shards over devices: add --devices N.")
-        _host_devices(args.devices)
-        mesh = _mesh(args.devices)
+        compile_only = _target(args).compile_only  # an unknown name fails here, first
+        _host_devices(1 if compile_only else args.devices)
+        mesh = None if compile_only else _mesh(args.devices)
         factory = _user_factory(args.model) if user else _builtin(args)
         print(f"model: {spec}", file=sys.stderr, flush=True)
         if args.command == "report":

@@ -5,6 +5,7 @@ option before a missing one."""
 import argparse
 import difflib
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,7 +14,8 @@ import optax
 from ..nn import PRESETS as REMAT_PRESETS
 from ..precision._policy import PRESETS as PRECISION_PRESETS
 from ..train._make_step import SHARDS
-from ._plan import ACCUMULATES, PRECISIONS, TARGETS
+from ._plan import ACCUMULATES, PEAKS, PRECISIONS
+from ._target import known_targets
 from ._units import parse_size
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -34,7 +36,9 @@ examples:
   eqx-lowmem report --model mypackage.models:make --remat dots --json report.json
   eqx-lowmem report --devices 4 --shard fsdp --batch 64
   eqx-lowmem plan --budget 2GiB --optimizer adam --plot plan.png
-  eqx-lowmem plan --budget 1GiB --target accelerator --precisions float32,mixed_bf16
+  eqx-lowmem report --target h100 --precision mixed_bf16 --remat full
+  eqx-lowmem plan --target a100-40gb              # budget: what XLA may use of its memory
+  eqx-lowmem plan --target h100 --devices 8 --budget 20GiB
 
 --batch is the whole batch of one update (split into --accumulate micro-batches).
 Nothing is trained: the step is compiled for shapes alone.
@@ -127,7 +131,17 @@ def _model_options() -> argparse.ArgumentParser:
         "--devices",
         type=_positive("--devices"),
         default=1,
-        help="report per device of a mesh of N devices (on CPU, N host devices) (1)",
+        help="report per device of a mesh of N devices (on CPU, N host devices; with a GPU "
+        "--target, N such GPUs) (1)",
+    )
+    g.add_argument(
+        "--target",
+        metavar="NAME|FILE",
+        default=None,
+        help="the device to compile for: cpu (here, the default), attached (this process's "
+        f"device), a GPU ({', '.join(n for n in known_targets() if n not in ('cpu', 'attached'))}"
+        ") compiled for on any machine (needs eqx-lowmem[gpu-plan]), or a GpuTargetConfigProto "
+        "text file",
     )
     return model
 
@@ -176,7 +190,11 @@ def _report_arguments(report: argparse.ArgumentParser) -> None:
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
     """`plan`'s own options: the budget, the candidates tried and how they are ranked."""
     # Required, checked after unknown options (a typo such as --budgte is named as such).
-    p.add_argument("--budget", type=_size, help="required: e.g. 2GiB, 512MiB, 1.5GB")
+    p.add_argument(
+        "--budget",
+        type=_size,
+        help="e.g. 2GiB, 512MiB, 1.5GB (with a GPU --target: what XLA may use of its memory)",
+    )
     p.add_argument(
         "--remats",
         type=_csv(str, REMAT_PRESETS),
@@ -209,17 +227,17 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated sparse densities in (0, 1], 'dense' for none (dense)",
     )
     p.add_argument(
-        "--target",
-        choices=TARGETS,
+        "--peak",
+        choices=PEAKS,
         default="compiled",
-        help="fit the peak compiled here, or the GPU/TPU estimate (compiled)",
+        help="fit the compiled peak, or the GPU/TPU estimate from an XLA:CPU compile (compiled)",
     )
     p.add_argument(
         "--rank-for",
         choices=("cpu", "gpu", "tpu"),
         default=None,
-        help="the device kind whose speeds rank the candidates (the backend here, or gpu "
-        "with --target accelerator)",
+        help="the device kind whose speeds rank the candidates (the target's, or gpu "
+        "with --peak accelerator)",
     )
     p.add_argument("--measure", action="store_true", help="rank by timed steps on this device")
     p.add_argument("--steps", type=_positive("--steps"), default=3, help="timed steps (3)")
@@ -269,6 +287,18 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
         close = difflib.get_close_matches(extra[0], known, n=1)
         hint = f" (did you mean {close[0]}?)" if close and extra[0].startswith("-") else ""
         sub.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
-    if args.command == "plan" and args.budget is None:
-        sub.error("the following arguments are required: --budget")
+    if args.target in PEAKS:  # --target's meaning before targets were devices
+        if args.command != "plan":
+            sub.error(f"--target {args.target}: a device name, such as h100 or cpu")
+        print(
+            f"eqx-lowmem: --target {args.target} is now --peak {args.target}; --target names "
+            "the device planned for (e.g. h100).",
+            file=sys.stderr,
+        )
+        args.peak, args.target = args.target, None
+    if args.command == "plan" and args.budget is None and args.target in (None, "cpu"):
+        sub.error(
+            "the following arguments are required: --budget (or a GPU --target, whose memory "
+            "sets it)"
+        )
     return args

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from ._peak import Peak, argument_parts, compile_with_peak
+from ._target import Target
 
 # XLA:CPU: LLVM's optimisation of the generated code is most of the compile time and does
 # not change buffer assignment, so every memory figure equals the default compilation's
@@ -15,20 +16,22 @@ _FIGURES = ("argument", "output", "temp", "alias")
 _HOST = ("host_argument", "host_output", "host_temp", "host_alias")
 
 
-def _options() -> dict[str, Any]:
-    return _FAST_CPU_COMPILE if jax.default_backend() == "cpu" else {}
+# XLA's GPU compiler picks some matrix products' Triton tiles by autotuning on the device;
+# compiled for a GPU it does not have, it can find none ("Couldn't find output tile sizes")
+# and compiles them with cuBLAS instead when told to.
+NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
 
 
-def _compile(lowered: Any) -> Any:
-    try:
-        return lowered.compile(compiler_options=_options())
-    except Exception as e:  # an XLA without the option: compile as usual
-        if "compile option" not in str(e):
-            raise
-        return lowered.compile()
+def options_for(target: Target) -> dict[str, Any]:
+    """The compiler options the library compiles with for `target` (the target's own on top:
+    XLA:CPU's without LLVM's optimisation, which leaves buffer assignment as it is)."""
+    own = _FAST_CPU_COMPILE if target.backend == "cpu" else {}
+    return {**own, **target.options()}
 
 
-def compile_step(step: Any, state: Any, batch: tuple) -> tuple[Any, Any, Peak | None]:
+def compile_step(
+    step: Any, state: Any, batch: tuple, target: Target | None = None
+) -> tuple[Any, Any, Peak | None, dict[str, Any]]:
     """Compile `step` for a state and batch of shapes without running it, and trace its jaxpr.
 
     The compiled step is `step.lower(state, batch).compile()`: the very program a call of
@@ -36,23 +39,36 @@ def compile_step(step: Any, state: Any, batch: tuple) -> tuple[Any, Any, Peak | 
     machine code, which leaves the buffers as they are). Nothing is allocated on the device.
     XLA writes its buffer assignment to a temporary directory meanwhile (`_peak`).
 
+    For a GPU `target` the step must be built on a mesh of the target's devices
+    (`Target.mesh`): its state and batch are placed there, so XLA's GPU compiler compiles it.
+    A matrix product whose Triton tiles cannot be chosen without the device is compiled
+    again with `NO_TRITON_GEMM` (cuBLAS), as the options returned say.
+
     Returns:
-        `(jaxpr, compiled, peak)`: the step's `ClosedJaxpr` (for `jaxpr_cost`), the compiled
-        step (`memory_analysis()`, `cost_analysis()`), and what is live at its peak (None
-        where XLA's dump could not be read).
+        `(jaxpr, compiled, peak, options)`: the step's `ClosedJaxpr` (for `jaxpr_cost`), the
+        compiled step (`memory_analysis()`, `cost_analysis()`), what is live at its peak
+        (None where XLA's dump could not be read), and the compiler options it compiled with.
     """
+    target = Target("cpu") if target is None else target
     traced = step.trace(state, batch)
     parts = argument_parts([_STATE_PARTS.get(_field(path), "other") for path in
                             _paths(state)])  # fmt: skip
-    sixteen = jnp.dtype(step.policy.compute_dtype).itemsize == 2
+    # XLA:CPU computes 16-bit products in float32: their float32 results are its upcasts.
+    sixteen = target.backend == "cpu" and jnp.dtype(step.policy.compute_dtype).itemsize == 2
     lowered = traced.lower()
+    options = options_for(target)
     try:
-        compiled, peak = compile_with_peak(lowered, _options(), parts, sixteen_bit=sixteen)
-    except Exception as e:  # an XLA without the option: compile as usual
-        if "compile option" not in str(e):
+        compiled, peak = compile_with_peak(lowered, options, parts, sixteen_bit=sixteen)
+    except Exception as e:
+        retry = options.get("xla_gpu_enable_triton_gemm") is not False
+        if target.backend == "gpu" and "tile sizes" in str(e) and retry:
+            options = {**options, **NO_TRITON_GEMM}
+            compiled, peak = compile_with_peak(lowered, options, parts, sixteen_bit=sixteen)
+        elif "compile option" in str(e):  # an XLA without the option: compile as usual
+            compiled, peak, options = lowered.compile(), None, {}
+        else:
             raise
-        compiled, peak = lowered.compile(), None
-    return traced.jaxpr, compiled, peak
+    return traced.jaxpr, compiled, peak, options
 
 
 # The part of each field of a `TrainState` in the live set at the peak.

@@ -2,7 +2,9 @@
 budget, fastest."""
 
 import dataclasses
+import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -22,13 +24,14 @@ from ._candidates import Candidate, Plan, _choose
 from ._cost import THROUGHPUTS, Throughput
 from ._inspect import batch_structs, precision_name
 from ._measure import time_step
-from ._report import float32_twin, step_report
+from ._report import float32_twin, step_report, target_mesh
 from ._result import MemoryReport
+from ._target import Target, as_target
 from ._units import format_bytes, parse_size, remat_text
 
 ACCUMULATES: tuple[int, ...] = (1, 2, 4, 8)
 PRECISIONS: tuple[str, ...] = ("float32", "mixed_bf16")
-TARGETS: tuple[str, ...] = ("compiled", "accelerator")
+PEAKS: tuple[str, ...] = ("compiled", "accelerator")
 
 
 def _check_accumulates(accumulates: Sequence[Any]) -> None:
@@ -88,7 +91,7 @@ def plan(
     optimizer: optax.GradientTransformation,
     batch: Any,
     *,
-    budget: int | np.integer | str,
+    budget: int | np.integer | str | None = None,
     remats: Sequence[Any] | None = None,
     accumulates: Sequence[int] = ACCUMULATES,
     precisions: Sequence[str | Policy] = PRECISIONS,
@@ -96,7 +99,8 @@ def plan(
     mesh: Mesh | None = None,
     data_axis: str = "data",
     shards: Sequence[str] | None = None,
-    target: str = "compiled",
+    target: Target | str | os.PathLike | None = None,
+    peak: str = "compiled",
     measure: bool = False,
     steps: int = 3,
     rank_for: str | Throughput | None = None,
@@ -110,17 +114,20 @@ def plan(
     Compiles the training step of every combination without running it (`memory_report`
     of each), keeps those whose predicted peak is at most `budget`, and returns the fastest.
 
-    How "fastest" is judged: by default by an estimate of the step's time on the device
-    kind planned for (`rank_for`; by default the backend compiled on, or a GPU with
-    `target="accelerator"` on XLA:CPU): the arithmetic each step asks for, counted on its
+    How "fastest" is judged: by default by an estimate of the step's time on the device kind
+    planned for (`rank_for`; by default the backend compiled on, or a GPU with
+    `peak="accelerator"` on XLA:CPU): the arithmetic each step asks for, counted on its
     jaxpr with every loop as many times as it runs (`eqx_lowmem.memory.jaxpr_cost`), each
     kind at its rate (`eqx_lowmem.memory.THROUGHPUTS`: on a GPU 16-bit matrix products run
-    at twice float32's rate, on XLA:CPU at half of it). Recomputation adds matrix products
-    (`remat=True` costs the guide's transformer a quarter more); micro-batches add almost
-    nothing, and equal estimates go to fewer micro-batches, then to replicated parameters,
-    then to the smaller peak. An estimate does not see how well each kernel runs, or that
-    very small micro-batches use an accelerator poorly: with `measure=True` the fitting
-    candidates are timed on this device instead and ranked by median seconds per step.
+    at twice float32's rate, on XLA:CPU at half of it). With a GPU `target` (`"h100"`,
+    `"a100-40gb"`, ...) every candidate is compiled for that GPU, on any machine, and ranked
+    for a GPU; the budget defaults to what XLA may use of its memory. Recomputation adds
+    matrix products (`remat=True` costs the guide's transformer a quarter more);
+    micro-batches add almost nothing, and equal estimates go to fewer micro-batches, then to
+    replicated parameters, then to the smaller peak. An estimate does not see how well each
+    kernel runs, or that very small micro-batches use an accelerator poorly: with
+    `measure=True` the fitting candidates are timed on this device instead and ranked by
+    median seconds per step.
     Sparsity changes the model, so the densest fitting density always wins.
 
     Monotone: a smaller budget never returns a candidate with a larger peak (the fitting
@@ -140,6 +147,9 @@ def plan(
         optimizer: an optax optimizer.
         batch: the whole batch of one update: a tuple of arrays or `jax.ShapeDtypeStruct`s.
         budget: bytes (per device with a mesh), or a size such as `"2GiB"`, `"1.5GB"`.
+            Default: the target's memory times the share XLA may use (JAX's default 0.75,
+            or `XLA_PYTHON_CLIENT_MEM_FRACTION`; `Target(..., mem_fraction=)`), as the plan
+            says (`Plan.budget_from`); needed for a target of unknown memory (XLA:CPU).
         remats: recomputation settings to try. Default: every `eqx_lowmem.nn.PRESETS` name;
             on XLA:CPU without `"minimal_offloaded"` (the CPU drops its host placement, so
             it compiles to `"minimal"` there).
@@ -152,9 +162,13 @@ def plan(
         data_axis: the mesh axis the batch (and with FSDP the parameters) is split over.
         shards: `"data"` and/or `"fsdp"` to try; default both with a mesh, `("data",)`
             without one.
-        target: which peak must fit: `"compiled"`, the backend this runs on (trusted for
-            it), or `"accelerator"`, the GPU/TPU estimate of `MemoryReport` (planning on a
-            laptop for a GPU with 16-bit compute).
+        target: the device planned for (`memory_report`'s): None or `"cpu"` for this
+            process's backend, a GPU name (`"h100"`, `"a100-40gb"`, ...; needs
+            `eqx-lowmem[gpu-plan]`), a `GpuTargetConfigProto` file, `"attached"`, or a
+            `Target` (with `devices=` for several).
+        peak: which peak must fit: `"compiled"`, the target's compiled peak (trusted for
+            it), or `"accelerator"`, `MemoryReport`'s GPU/TPU estimate from an XLA:CPU
+            compile (the rough figure of planning for a GPU without `target`).
         measure: rank the fitting candidates by measured seconds per step on this device.
         steps: timed steps per candidate with `measure=True` (after one untimed step).
         rank_for: the device kind the estimate ranks for, `"cpu"`, `"gpu"`, `"tpu"`, or a
@@ -172,7 +186,9 @@ def plan(
         BudgetError: when no candidate fits; it names the smallest peak found, its
             combination and its largest part, and holds every candidate.
         ValueError: for an empty search space, an accumulate below 1, a density outside
-            (0, 1], an unknown shard or target, or an unparseable budget.
+            (0, 1], an unknown shard, target or peak, an unparseable budget, or no budget
+            for a target of unknown memory.
+        ImportError: for a GPU target without the CUDA plugin (`eqx-lowmem[gpu-plan]`).
 
     Example:
         >>> import jax, jax.numpy as jnp, jax.random as jr, optax
@@ -186,18 +202,34 @@ def plan(
         >>> p.best.peak_bytes <= 4 * 2**20
         True
     """
-    budget_bytes = parse_size(budget, "budget")
     if isinstance(make_model, eqx.Module) or not callable(make_model):
         raise TypeError(_MAKE_MODEL.format(got=type(make_model).__name__))
+    if target in PEAKS:  # the name of `peak` before targets were devices
+        warnings.warn(
+            f"plan(target={target!r}) is now plan(peak={target!r}); target= names the device "
+            "planned for (e.g. 'h100').",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        target, peak = None, str(target)
+    target = as_target(target)
+    budget_bytes, budget_from = _budget(budget, target)
     remats, accumulates, precisions, densities, shards = _search_space(
-        remats, accumulates, precisions, densities, mesh, shards, target, rank_for, measure, steps
+        remats, accumulates, precisions, densities, mesh, shards, peak, rank_for, measure, steps
     )
+    if measure and target.compile_only:
+        raise ValueError(
+            f"measure=True times each candidate, but target={target.name!r} is compiled for "
+            "only; plan on the GPU itself with target='attached', or rank by the estimate."
+        )
+    mesh = target_mesh(target, mesh, data_axis)
     key = jr.PRNGKey(0) if key is None else key
     devices = 1 if mesh is None else int(mesh.shape.get(data_axis, 1))
     structs, size = batch_structs(batch, 1)
     usable, skipped = _dividing(accumulates, size, devices)
     total = len(remats) * len(densities) * len(precisions) * len(usable) * len(shards)
-    compiler = _Compiler(loss_fn, optimizer, loss_scale, mesh, data_axis, structs, key, remats)
+    compiler = _Compiler(loss_fn, optimizer, loss_scale, mesh, data_axis, structs, key, remats,
+                         target)  # fmt: skip
 
     candidates = []
     for i, remat in enumerate(remats):
@@ -219,7 +251,7 @@ def plan(
                             density=density,
                             report=report,
                             budget=budget_bytes,
-                            target=target,
+                            peak=peak,
                         )
                         if measure and c.fits:
                             step = compiler.step(accumulate, policy, shard)
@@ -235,21 +267,40 @@ def plan(
             best=candidates[0],
             candidates=candidates,
             budget=budget_bytes,
-            target=target,
+            peak=peak,
             ranked_by="measured" if measure else "estimate",
-            backend=jax.default_backend(),
+            backend=target.backend,
             rank_for=rank_for,
             skipped=skipped,
+            device=target.describe(),
+            budget_from=budget_from,
         )
     )
 
 
-def _search_space(remats, accumulates, precisions, densities, mesh, shards, target, rank_for,
+def _budget(budget: int | np.integer | str | None, target: Target) -> tuple[int, str]:
+    """(the budget in bytes, where it came from: "" when given)."""
+    if budget is not None:
+        return parse_size(budget, "budget"), ""
+    usable = target.budget_bytes
+    if usable is None:
+        raise ValueError(
+            f"plan needs budget= for target={target.name!r}, whose memory is unknown; e.g. "
+            "budget='16GiB', or a GPU target such as target='h100', whose memory sets it."
+        )
+    memory = target.memory_bytes
+    return usable, (
+        f"{format_bytes(usable)} = {target.fraction:g} x {format_bytes(memory)} of "
+        f"{target.description}, the share of its memory XLA may use (give budget= to choose)"
+    )
+
+
+def _search_space(remats, accumulates, precisions, densities, mesh, shards, peak, rank_for,
                   measure, steps) -> tuple[tuple, ...]:  # fmt: skip
     """`plan`'s arguments checked, as (remats, accumulates, precisions, densities, shards)
     tuples with the defaults filled in."""
-    if target not in TARGETS:
-        raise ValueError(f"target={target!r}; expected one of {TARGETS}.")
+    if peak not in PEAKS:
+        raise ValueError(f"peak={peak!r}; expected one of {PEAKS}.")
     if isinstance(rank_for, str) and rank_for not in THROUGHPUTS:
         raise ValueError(
             f"rank_for={rank_for!r}; expected one of {tuple(THROUGHPUTS)}, None or a Throughput."
@@ -311,6 +362,7 @@ class _Compiler:
     structs: Any
     key: Any
     remats: tuple
+    target: Target
     reports: dict[tuple, MemoryReport] = dataclasses.field(default_factory=dict)
 
     def step(self, accumulate: int, policy: Policy, shard: str) -> Any:
@@ -329,7 +381,7 @@ class _Compiler:
         index = (*where, accumulate, policy, shard)
         if index not in self.reports:
             step = self.step(accumulate, policy, shard)
-            twin_policy = float32_twin(step.policy)
+            twin_policy = float32_twin(step.policy, self.target)
             # (The twin's loss scale may differ from the step's: a few bytes of state.)
             twin = (
                 None
@@ -351,6 +403,7 @@ class _Compiler:
                 mesh=self.mesh,
                 data_axis=self.data_axis,
                 shard=shard,
+                target=self.target,
             )
         return self.reports[index]
 

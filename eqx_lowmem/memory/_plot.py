@@ -309,7 +309,7 @@ def plot_plan(
         if measured
         else f"estimated step time relative to the chosen one ({plan.ranking().split(' (')[0]})"
     )
-    ax.set_ylabel(f"{plan.target} peak ({unit})")
+    ax.set_ylabel(f"{plan.peak} peak ({unit})")
     ax.set_ylim(0, top / scale * 1.18)  # room for the "chosen" label
     ax.grid(alpha=0.3)
     ax.set_axisbelow(True)

@@ -1,6 +1,7 @@
 """Where the memory of a training step goes, from compilation alone."""
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -31,15 +32,17 @@ from ._inspect import (
 )
 from ._measure import check_measurable, measure_peak
 from ._result import MemoryReport
+from ._target import Target, as_target
 from ._units import format_bytes
 
 
-def float32_twin(policy: Policy) -> Policy | None:
+def float32_twin(policy: Policy, target: Target | None = None) -> Policy | None:
     """On XLA:CPU, the policy of the same step computing in float32 (for the GPU estimate).
 
-    None when the step computes in float32 already or runs on an accelerator.
+    None when the step computes in float32 already or is compiled for an accelerator.
     """
-    if jax.default_backend() != "cpu" or policy.compute_dtype.itemsize != 2:
+    backend = jax.default_backend() if target is None else target.backend
+    if backend != "cpu" or policy.compute_dtype.itemsize != 2:
         return None
     return dataclasses.replace(policy, compute_dtype=jnp.float32)
 
@@ -67,20 +70,23 @@ def step_report(
     mesh: Mesh | None = None,
     data_axis: str = "data",
     shard: str = "data",
+    target: Target | None = None,
 ) -> MemoryReport:
     """The report of a built step (`memory_report` builds it; the planner reuses twins).
 
     `step` is `make_step(loss_fn, ..., has_state=has_state, mesh=mesh, shard=shard)`.
     `twin`, on XLA:CPU for a 16-bit compute dtype, is the report of the same step built
     with `float32_twin(step.policy)` (and `loss_scale=step.loss_scale`): the GPU/TPU
-    estimate is its peak with its saved activations replaced by this step's.
+    estimate is its peak with its saved activations replaced by this step's. For a GPU
+    `target` the step is built on `target_mesh(target, mesh, data_axis)`, which is `mesh`.
     """
     key = jr.PRNGKey(0) if key is None else key
+    target = Target("cpu") if target is None else target
     devices = _devices(mesh, data_axis)
     what = f"accumulate={step.accumulate}" + (f" x {devices} devices" if devices > 1 else "")
     structs, size = batch_structs(batch, step.granularity, what)
     if measure:
-        check_measurable(model)
+        _check_measurable(model, target)
     if has_state and model_state is None:
         raise ValueError(
             "the step was made with has_state=True: pass model_state= (e.g. from "
@@ -89,7 +95,7 @@ def step_report(
     state = eqx.filter_eval_shape(
         lambda m, ms: step.init(m, key=key, model_state=ms), model, model_state
     )
-    jaxpr, compiled, at_peak = compile_step(step, state, structs)
+    jaxpr, compiled, at_peak, options = compile_step(step, state, structs, target)
     figures = memory_figures(compiled)
 
     # The micro-batch's loss is traced on plain shapes: on a mesh with Explicit axes the
@@ -113,11 +119,12 @@ def step_report(
     )
     replicated = sum(1 for whole, mine in params if whole == mine and whole > 0)
     peak = figures["argument"] + figures["output"] + figures["temp"] - figures["alias"]
-    backend = jax.default_backend()
+    backend = target.backend
     compute = step.policy.compute_dtype
-    attention = model_attention(model, compute, backend)
+    # Traced here (on XLA:CPU for a compile-only target): what the trace chose.
+    attention = model_attention(model, compute, jax.default_backend())
     remat = model_remat(model)
-    notes = _notes(backend, twin, sizes, peak, devices, shard, replicated, len(params))
+    notes = _notes(target, twin, sizes, peak, devices, shard, replicated, len(params))
     notes += _step_notes(step, model, figures, attention, remat, len(fused), fused_bytes)
     if twin is not None:
         accelerator = twin.peak_bytes - twin.sizes["activations"] + sizes["activations"]
@@ -134,7 +141,7 @@ def step_report(
         trusted = {**trusted, backend: "measured_peak_bytes"}
 
     config = _config(step, model, state, structs, name, remat, attention, devices, shard)
-    device = jax.devices()[0]
+    config.update(target=target.name, compiler_options=options)
     return MemoryReport(
         sizes=sizes,
         compiled=figures,
@@ -143,12 +150,21 @@ def step_report(
         trusted=trusted,
         notes=tuple(notes),
         backend=backend,
-        device=str(getattr(device, "device_kind", device)),
+        device=target.describe(),
         config=config,
         cost=jaxpr_cost(jaxpr),
         measured_peak_bytes=measured,
         at_peak=None if at_peak is None else at_peak.parts(),
     )
+
+
+def _check_measurable(model: PyTree, target: Target) -> None:
+    if target.compile_only:
+        raise ValueError(
+            f"measure=True runs the step, but target={target.name!r} is compiled for only; "
+            "measure on the GPU itself with target='attached'."
+        )
+    check_measurable(model)
 
 
 def _config(step, model, state, structs, name, remat, attention, devices, shard) -> dict:
@@ -209,7 +225,7 @@ def _step_notes(step, model, figures, attention, remat, fused: int, fused_bytes:
     """The notes on what the step's techniques do to its figures: fused accumulation,
     16-bit gradients, attention on XLA:CPU against a GPU, offloading."""
     notes = []
-    backend = jax.default_backend()
+    backend = jax.default_backend()  # where the step was traced
     if fused_bytes:
         notes.append(
             f"Fused accumulation: {fused} arrays of scanned, recomputed stacks "
@@ -229,8 +245,9 @@ def _step_notes(step, model, figures, attention, remat, fused: int, fused_bytes:
         if attention and on_gpu and on_gpu != attention:
             here, there = _choices(attention), _choices(on_gpu)
             notes.append(
-                f"Attention: on XLA:CPU {here}; on a CUDA GPU {there}, with other "
-                "temporaries: compile there for its figure."
+                f"Attention: traced on XLA:CPU, {here}; on a CUDA GPU {there}, with other "
+                "temporaries. The figures are for the former (cuDNN's kernels compile only "
+                "on the device: report there with target='attached' for theirs)."
             )
     if backend == "cpu" and remat is not None and "offload" in remat:
         notes.append(
@@ -264,9 +281,17 @@ def _pairs(tree: Any, shardings: Any) -> list[tuple[Any, Any]]:
     return out
 
 
-def _notes(backend, twin, sizes, peak, devices, shard, replicated, arrays) -> list[str]:
+def _notes(target, twin, sizes, peak, devices, shard, replicated, arrays) -> list[str]:
     notes = []
-    if backend == "cpu" and twin is not None:
+    backend = target.backend
+    if target.compile_only:
+        notes.append(
+            f"Compiled for {target.describe()} by XLA's GPU compiler without the device: its "
+            "buffer assignment for that GPU (cuDNN convolutions, native 16-bit arithmetic, "
+            "its fusions), so the peak is the GPU's; nothing ran. Attention and other choices "
+            "made while tracing are this machine's (see the attention note)."
+        )
+    elif backend == "cpu" and twin is not None:
         notes.append(
             "XLA:CPU computes 16-bit types partly in float32 (it converts the operands of "
             "matrix products, and elementwise work, to float32), so its temporaries do not "
@@ -329,6 +354,7 @@ def memory_report(
     mesh: Mesh | None = None,
     data_axis: str = "data",
     shard: str = "data",
+    target: Target | str | os.PathLike | None = None,
     key: PRNGKeyArray | None = None,
     measure: bool = False,
     name: str | None = None,
@@ -373,6 +399,13 @@ def memory_report(
         data_axis: the mesh axis the batch (and with FSDP the parameters) is split over.
         shard: `"data"` (parameters replicated) or `"fsdp"` (parameters and optimizer state
             sharded over `data_axis`), as `make_step`'s.
+        target: the device the figures are for (`Target`, or its name): None or `"cpu"`
+            for this process's backend; a GPU name such as `"h100"` or `"a100-40gb"`, or a
+            `GpuTargetConfigProto` file, to compile for that GPU on any machine (needs
+            `eqx-lowmem[gpu-plan]`; seconds, as a CPU compile); `"attached"` for the device
+            this process runs on. With several devices (`Target("h100", devices=8)`) the
+            step is compiled for a mesh of them: `mesh`'s axes if given (its size must be
+            the target's `devices`), else one axis named `data_axis`.
         key: PRNG key for the state and dropout (default `jr.PRNGKey(0)`).
         measure: also run one step on the device and report its measured peak
             (`peak_bytes_in_use`). Needs a GPU or TPU and a model with arrays; allocates the
@@ -389,7 +422,10 @@ def memory_report(
     Raises:
         ValueError: for a batch that `accumulate` (times the devices) does not divide,
             arrays of different lengths, `measure=True` on a device without memory
-            statistics, an unknown `shard`, or the errors of `make_step`.
+            statistics, an unknown `shard`, an unknown target, a `mesh` whose size is not
+            the target's `devices`, `measure=True` for a compile-only target, or the errors
+            of `make_step`.
+        ImportError: for a GPU target without the CUDA plugin (`eqx-lowmem[gpu-plan]`).
 
     Example:
         >>> import jax, jax.numpy as jnp, jax.random as jr, optax
@@ -404,6 +440,8 @@ def memory_report(
         >>> sum(report.parts.values()) == report.peak_bytes + report.overlap_bytes
         True
     """
+    target = as_target(target)
+    mesh = target_mesh(target, mesh, data_axis)
     options: dict[str, Any] = dict(
         accumulate=accumulate,
         accumulate_dtype=accumulate_dtype,
@@ -422,9 +460,10 @@ def memory_report(
         mesh=mesh,
         data_axis=data_axis,
         shard=shard,
+        target=target,
     )
     twin = None
-    twin_policy = float32_twin(step.policy)
+    twin_policy = float32_twin(step.policy, target)
     if twin_policy is not None:
         # The same step computing in float32, for the GPU/TPU estimate (one more compile).
         twin_step = make_step(
@@ -432,3 +471,23 @@ def memory_report(
         )
         twin = step_report(twin_step, loss_fn, model, batch, **common)
     return step_report(step, loss_fn, model, batch, measure=measure, name=name, twin=twin, **common)
+
+
+def target_mesh(target: Target, mesh: Mesh | None, data_axis: str) -> Mesh | None:
+    """The mesh a step is built on for `target`: `mesh` for this process's devices; for a
+    compile-only GPU target, a mesh of its devices with `mesh`'s axes (or one axis named
+    `data_axis`), the step's state and batch placed there to compile for the GPU."""
+    if not target.compile_only:
+        return mesh
+    if mesh is None:
+        return target.mesh((target.devices,), (data_axis,))
+    if mesh.size != target.devices and target.devices != 1:
+        raise ValueError(
+            f"target={target.describe()!r} has devices={target.devices}, but the mesh "
+            f"{dict(mesh.shape)} has {mesh.size}: give a mesh of {target.devices} devices, or "
+            f"Target({target.name!r}, devices={mesh.size})."
+        )
+    full = target if mesh.size == target.devices else dataclasses.replace(target, devices=mesh.size)
+    made = full.mesh(tuple(mesh.devices.shape), tuple(mesh.axis_names))
+    types = getattr(mesh, "axis_types", None)
+    return made if types is None else Mesh(made.devices, made.axis_names, axis_types=types)

@@ -248,6 +248,9 @@ class MemoryReport:
             extra.append(f"density={c['density']:.3g}")
         if devices > 1:
             extra.append(f"devices={devices}  shard={c.get('shard')}  (figures per device)")
+        if c.get("compiler_options"):
+            options = ", ".join(f"{k}={v}" for k, v in c["compiler_options"].items())
+            extra.append(f"compiler options: {options}")
         lines = [
             f"Memory of one training step ({c.get('name') or 'model'}), compiled for "
             f"{self.backend} ({self.device}); nothing ran"
