@@ -81,10 +81,10 @@ class ScalarWriter:
 
     def scalars(self, step: int, values: dict[str, float | None]) -> None:
         """Write each value that is not None at `step`."""
-        if self._writer is None or not self._alive():
-            return
         for tag, value in values.items():
             if value is not None:
+                if self._writer is None or not self._room():
+                    return
                 self._writer.add_scalar(tag, float(value), step)
 
     def update(self, trainer: Any, values: dict[str, Any]) -> None:
@@ -110,14 +110,22 @@ class ScalarWriter:
             },
         )
 
-    def _alive(self) -> bool:
-        """Whether tensorboardX's writer thread still runs. It dies on a write error (a full
-        disk, a removed directory), after which it would drop every scalar silently (and,
-        once its queue is full, block the run): then warn once and stop writing."""
+    def _room(self) -> bool:
+        """Whether an event can be queued: tensorboardX's writer thread still runs, and its
+        queue has room (waiting while the thread drains it). The thread dies on a write
+        error (a full disk, a removed directory), after which every scalar would be dropped
+        silently and, once its queue is full, the next one would block the run forever:
+        then warn once and stop writing."""
         file_writer = getattr(self._writer, "file_writer", None)
-        worker = getattr(getattr(file_writer, "event_writer", None), "_worker", None)
-        if worker is None or worker.is_alive():
+        event_writer = getattr(file_writer, "event_writer", None)
+        worker = getattr(event_writer, "_worker", None)
+        events = getattr(event_writer, "_event_queue", None)
+        if worker is None:  # another tensorboardX layout: trust it
             return True
+        while worker.is_alive():
+            if events is None or not events.full():
+                return True
+            time.sleep(0.005)
         self._writer = None  # not closed: closing waits on the dead thread's queue
         warnings.warn(
             f"TensorBoard scalars can no longer be written to {self.log_dir}: tensorboardX's "
@@ -134,9 +142,9 @@ class ScalarWriter:
             self._writer.flush()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self._writer is not None and self._room():  # a dead writer is dropped, warned
+            writer, self._writer = self._writer, None
+            writer.close()
 
 
 @contextlib.contextmanager
