@@ -151,7 +151,14 @@ def test_nonfinite_parameters_stop_the_run_and_are_never_saved(tmp_path, case, s
 
 # ------------------------------------------------------------------------ atomic writes
 
-_PRINT_JSON = "import sys; from eqx_lowmem._io import write_json; write_json(sys.argv[1], [1, 2])"
+# The child loads eqx_lowmem/_io.py alone (no JAX to import): it starts in a tenth of a second.
+_PRINT_JSON = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("_io", {str(ROOT / "eqx_lowmem" / "_io.py")!r})
+io = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(io)
+io.write_json(sys.argv[1], [1, 2])
+"""
 
 
 def test_atomic_writes_keep_symlinks_pipes_and_devices(tmp_path):
