@@ -47,7 +47,7 @@ def test_report_command_prints_the_table_and_writes_json_and_png(tmp_path):
 def test_plan_command_picks_a_fitting_combination(tmp_path):
     args = ["plan", *SMALL, "--budget", "1GiB", "--remats", "none,full", "--accumulates", "1,2"]
     args += ["--precisions", "float32", "--optimizer", "sgd", "--json", "p.json"]
-    args += ["--plot", "p.png"]
+    args += ["--plot", "p.png", "--all"]
     done = _run(args, tmp_path)
     assert done.returncode == 0, done.stderr
     assert "<- best" in done.stdout and "predicted peak" in done.stdout
@@ -65,8 +65,21 @@ def test_plan_command_explains_an_impossible_budget(tmp_path):
     done = _run([*args, "--precisions", "float32"], tmp_path)
     assert done.returncode == 1
     assert "no combination fits budget=1.00 KiB" in done.stderr
-    assert "the smallest compiled peak found is" in done.stderr
-    assert "its largest part is" in done.stderr
+    assert "remat=full, accumulate=2, precision=float32: its state and batch alone" in done.stderr
+
+
+def test_plan_for_a_gpu_target_needs_no_budget_and_compiles_only_what_decides(tmp_path):
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="needs the CUDA plugin: .[gpu-plan]")
+    args = ["plan", *SMALL, "--target", "l4", "--remats", "none,full", "--accumulates", "1,2"]
+    done = _run([*args, "--precisions", "float32", "--json", "p.json"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "of NVIDIA L4 (compile-only target 'l4')" in done.stdout
+    assert "Budget: 16.9 GiB = 0.75 x 22.5 GiB of NVIDIA L4" in done.stdout
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert len(plan["candidates"]) == 1 and len(plan["pruned"]) == 3
+    assert "not compiled: remat=none, accumulate=2" in done.stdout
+    report = _run(["report", *SMALL, "--target", "l4"], tmp_path)
+    assert "compile-only target 'l4'" in report.stdout, report.stderr
 
 
 def test_report_on_a_users_model_factory(tmp_path):

@@ -36,6 +36,7 @@ def planned():
         remats=(False, True),
         accumulates=(1, 2, 3),
         precisions=("float32", "mixed_bf16"),
+        prune=False,
     )
 
 
@@ -103,6 +104,36 @@ def test_planning_for_an_accelerator_prefers_16_bit_compute(planned):
     assert for_gpu.best.precision == "mixed_bf16"
 
 
+@pytest.mark.parametrize("between", [0.0, 0.5, 1.0])
+def test_pruning_compiles_less_for_the_same_choice(planned, between):
+    # A budget from the smallest peak to the largest: the pruned plan picks what the full
+    # one picks, compiling the candidates ranked up to its choice and no other.
+    peaks = sorted(c.peak_bytes for c in planned.candidates)
+    budget = int(peaks[0] + between * (peaks[-1] - peaks[0]))
+    full = planned.within(budget)
+    args = (make_model, el.train.mse, optax.adam(1e-3), _batch())
+    space = dict(remats=(False, True), accumulates=(1, 2, 3), precisions=("float32", "mixed_bf16"))
+    pruned = el.memory.plan(*args, budget=budget, **space)
+    assert pruned.best.label == full.best.label
+    assert pruned.best.peak_bytes == full.best.peak_bytes
+    assert len(pruned.candidates) + len(pruned.pruned) == len(planned.candidates)
+    if between > 0:  # (the smallest budget fits only the last-ranked: all are compiled)
+        assert len(pruned.candidates) < len(planned.candidates)
+    assert all("not compiled: " in str(pruned) for _ in pruned.pruned)
+    if pruned.pruned:
+        with pytest.raises(ValueError, match="call plan again, or plan.*prune=False"):
+            pruned.within(budget - 1)
+
+
+def test_a_candidate_whose_state_alone_exceeds_the_budget_is_not_compiled():
+    args = (make_model, el.train.mse, optax.adam(1e-3), _batch())
+    space = dict(remats=(False,), accumulates=(1,), precisions=("float32",))
+    state = el.memory.plan(*args, budget="1GiB", **space).best.report.parts["parameters"] * 4
+    with pytest.raises(el.memory.BudgetError, match="state and batch alone take") as info:
+        el.memory.plan(*args, budget=state // 2, **space)
+    assert info.value.candidates == ()
+
+
 def test_an_impossible_budget_names_the_smallest_peak_and_its_largest_part():
     with pytest.raises(el.memory.BudgetError) as info:
         el.memory.plan(
@@ -114,6 +145,7 @@ def test_an_impossible_budget_names_the_smallest_peak_and_its_largest_part():
             remats=(True,),
             accumulates=(2,),
             precisions=("float32",),
+            prune=False,
         )
     error = info.value
     (only,) = error.candidates
@@ -241,6 +273,7 @@ def test_plan_reports_progress_per_candidate():
         accumulates=(1, 2),
         precisions=("float32",),
         progress=lines.append,
+        prune=False,
     )
     assert len(lines) == len(result.candidates) == 2
     assert lines[0].startswith("[1/2] remat=none, accumulate=1, precision=float32: peak ")
@@ -285,6 +318,7 @@ def test_densities_are_a_knob_and_the_densest_fitting_one_wins():
         accumulates=(1,),
         precisions=("float32",),
         densities=(None, 0.3),
+        prune=False,
     )
     dense, sparse = result.candidates
     assert (dense.density, sparse.density) == (None, 0.3)

@@ -429,7 +429,8 @@ mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
 x = jax.ShapeDtypeStruct((16, 8, 32), jnp.float32)
 p = el.memory.plan(lambda remat: el.nn.transformer_encoder(2, 32, 4, 64, key=jr.PRNGKey(0),
                    remat=remat), el.train.mse, optax.adam(1e-3), (x, x), budget="1GiB",
-                   remats=("full",), accumulates=(2,), precisions=("float32",), mesh=mesh)
+                   remats=("full",), accumulates=(2,), precisions=("float32",), mesh=mesh,
+                   prune=False)
 out = {c.shard: {**c.report.to_dict(), "text": str(c.report)} for c in p.candidates}
 out["plan"] = {"shards": [c.shard for c in p.candidates],
                "peaks": [c.peak_bytes for c in p.candidates], "best": p.best.shard,

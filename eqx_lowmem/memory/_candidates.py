@@ -127,6 +127,8 @@ class Plan:
             (compile-only target 'a100-40gb')"`.
         budget_from: where the budget came from when not given: the target's memory times
             the share XLA may use; `""` when given.
+        pruned: the candidates not compiled (`plan(prune=True)`), each with why: its state
+            and batch alone exceed the budget, or it ranks below the choice.
     """
 
     best: Candidate
@@ -139,6 +141,7 @@ class Plan:
     skipped: tuple[str, ...] = ()
     device: str = ""
     budget_from: str = ""
+    pruned: tuple[str, ...] = ()
 
     def within(self, budget: int | str):
         """The same candidates chosen under another budget, without compiling again.
@@ -149,6 +152,7 @@ class Plan:
                 budget (and so was not timed) fits the new one.
         """
         budget_bytes = parse_size(budget)
+        self._check_pruned(budget_bytes)
         candidates = tuple(
             dataclasses.replace(c, budget=budget_bytes, peak=self.peak) for c in self.candidates
         )
@@ -162,6 +166,19 @@ class Plan:
                 "measure=True) again with the larger budget."
             )
         return _choose(dataclasses.replace(self, candidates=candidates, budget=budget_bytes))
+
+    def _check_pruned(self, budget: int) -> None:
+        """A ValueError where candidates this plan did not compile could change the answer
+        under `budget`: a smaller budget (the choice may no longer fit), or one that admits
+        a candidate pruned for its state and batch alone."""
+        admitted = [p for p in self.pruned if "state and batch" in p]
+        slower = len(admitted) < len(self.pruned)
+        if (slower and budget < self.budget) or (admitted and budget > self.budget):
+            raise ValueError(
+                f"this plan compiled only what decides budget={format_bytes(self.budget)} "
+                f"({len(self.pruned)} candidates pruned); for budget={format_bytes(budget)} "
+                "call plan again, or plan(..., prune=False) to compile every candidate."
+            )
 
     def estimated(self, c: Candidate) -> float:
         """`c`'s estimated step time relative to the best's (1.0 for the best)."""
@@ -222,6 +239,7 @@ class Plan:
         if not timed:
             lines.append("  (est.: estimated time relative to the best)")
         lines += [f"  skipped: {s}" for s in self.skipped]
+        lines += [f"  not compiled: {p}" for p in self.pruned]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -239,6 +257,7 @@ class Plan:
             "best": self.candidates.index(self.best),
             "candidates": [c.to_dict() for c in self.candidates],
             "skipped": list(self.skipped),
+            "pruned": list(self.pruned),
         }
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
@@ -258,12 +277,17 @@ def _rank(c: Candidate, plan: Plan) -> tuple:
     each at its dtype's rate); equal ones go to fewer micro-batches, replicated parameters
     (no gathers), fewer FLOPs, and the smaller peak.
     """
-    density = 1.0 if c.density is None else c.density
     if plan.ranked_by == "measured":
         speed = c.seconds if c.seconds is not None else math.inf
     else:
         speed = relative_time(c.report.cost, _throughput(plan.peak, plan.backend, plan.rank_for))
-    return (-density, speed, c.accumulate, SHARDS.index(c.shard), c.flops, c.peak_bytes)
+    return (*rank_key(c.density, speed, c.accumulate, c.shard, c.flops), c.peak_bytes)
+
+
+def rank_key(density: float | None, speed: float, accumulate: int, shard: str,
+             flops: float) -> tuple:  # fmt: skip
+    """`_rank` without the peak: what a candidate's rank is before it is compiled."""
+    return (-(1.0 if density is None else density), speed, accumulate, SHARDS.index(shard), flops)
 
 
 def _choose(plan: Plan) -> Plan:
@@ -287,9 +311,10 @@ def _choose(plan: Plan) -> Plan:
 
 
 class BudgetError(ValueError):
-    """No candidate fits the budget. `candidates` holds them all, `smallest` the lowest peak."""
+    """No candidate fits the budget. `candidates` holds those compiled, `smallest` the lowest
+    peak (None when none was compiled: each one's state and batch alone exceed the budget)."""
 
-    def __init__(self, message: str, candidates: tuple[Candidate, ...], smallest: Candidate):
+    def __init__(self, message: str, candidates: tuple[Candidate, ...], smallest: Candidate | None):
         super().__init__(message)
         self.candidates = candidates
         self.smallest = smallest

@@ -300,6 +300,7 @@ def _plan(args, factory, spec: str, user: bool, mesh) -> None:
             measure=args.measure,
             steps=args.steps,
             progress=progress,
+            prune=not args.all,
         ),
     )
     print(result)

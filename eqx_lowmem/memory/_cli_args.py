@@ -239,6 +239,12 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
         help="the device kind whose speeds rank the candidates (the target's, or gpu "
         "with --peak accelerator)",
     )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="compile every candidate (a table of them all), not only those that can decide "
+        "the answer",
+    )
     p.add_argument("--measure", action="store_true", help="rank by timed steps on this device")
     p.add_argument("--steps", type=_positive("--steps"), default=3, help="timed steps (3)")
 

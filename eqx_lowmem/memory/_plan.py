@@ -1,9 +1,7 @@
 """Which combination of remat, micro-batches, precision, sharding and density fits a memory
 budget, fastest."""
 
-import dataclasses
 import os
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -19,15 +17,14 @@ from jaxtyping import PRNGKeyArray, PyTree
 from ..nn import PRESETS as REMAT_PRESETS
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy, get_policy
-from ..train._make_step import SHARDS, make_step
-from ._candidates import Candidate, Plan, _choose
+from ..train._make_step import SHARDS
+from ._candidates import BudgetError, Plan, _choose, _throughput
 from ._cost import THROUGHPUTS, Throughput
-from ._inspect import batch_structs, precision_name
-from ._measure import time_step
-from ._report import float32_twin, step_report, target_mesh
-from ._result import MemoryReport
+from ._inspect import batch_structs
+from ._report import target_mesh
+from ._search import Compiler, Search, Spec
 from ._target import Target, as_target
-from ._units import format_bytes, parse_size, remat_text
+from ._units import format_bytes, parse_size
 
 ACCUMULATES: tuple[int, ...] = (1, 2, 4, 8)
 PRECISIONS: tuple[str, ...] = ("float32", "mixed_bf16")
@@ -62,19 +59,6 @@ def default_remats() -> tuple[str, ...]:
     return tuple(REMAT_PRESETS)
 
 
-def _sparsify(model: Any, density: float | None, key: Any) -> Any:
-    if density is None:
-        return model
-    try:
-        from ..sparse import sparsify
-    except ImportError as e:
-        raise ValueError(
-            f"densities with {density!r} need eqx_lowmem.sparse, which this installation "
-            "lacks; use densities=(None,)."
-        ) from e
-    return sparsify(model, density, key=key)
-
-
 _MAKE_MODEL = """\
 plan(make_model=...) takes a function that builds the model for a remat setting, got a
 {got}: the planner builds one model per candidate (remat changes the model).
@@ -107,6 +91,7 @@ def plan(
     loss_scale: DynamicLossScale | Literal["auto"] | None = "auto",
     key: PRNGKeyArray | None = None,
     progress: Callable[[str], None] | None = None,
+    prune: bool = True,
 ) -> Plan:
     """The fastest combination of remat, micro-batches, precision (and, with a mesh,
     sharding; with densities, sparsity) that fits `budget`.
@@ -177,6 +162,12 @@ def plan(
         key: PRNG key for the state, dropout, sparsity and measured batches.
         progress: called with one line per candidate as it is compiled (the CLI prints
             them), e.g. `progress=print`.
+        prune: compile only what can decide the answer (the same answer as `prune=False`):
+            no candidate whose state and batch alone exceed the budget, and none ranked
+            below the first that fits (each is traced for its estimated time first, a
+            fraction of a compile). `Plan.pruned` lists the rest; `Plan.within` then
+            answers only for budgets the pruned ones cannot change. `prune=False` compiles
+            every candidate (a table of them all; `within` for any budget).
 
     Returns:
         A `Plan`: `plan.best` (its `remat`, `accumulate`, `precision`, `report`),
@@ -227,40 +218,30 @@ def plan(
     devices = 1 if mesh is None else int(mesh.shape.get(data_axis, 1))
     structs, size = batch_structs(batch, 1)
     usable, skipped = _dividing(accumulates, size, devices)
-    total = len(remats) * len(densities) * len(precisions) * len(usable) * len(shards)
-    compiler = _Compiler(loss_fn, optimizer, loss_scale, mesh, data_axis, structs, key, remats,
-                         target)  # fmt: skip
-
-    candidates = []
-    for i, remat in enumerate(remats):
-        for density in densities:
-            model = eqx.filter_eval_shape(
-                lambda r, d: _sparsify(make_model(r), d, key), remat, density
-            )
-            for precision in precisions:
-                policy = get_policy(precision)
-                for accumulate in usable:
-                    for shard in shards:
-                        t0 = time.perf_counter()
-                        report = compiler.report((i, density), model, accumulate, policy, shard)
-                        c = Candidate(
-                            remat=remat,
-                            accumulate=accumulate,
-                            precision=precision_name(policy),
-                            shard=shard,
-                            density=density,
-                            report=report,
-                            budget=budget_bytes,
-                            peak=peak,
-                        )
-                        if measure and c.fits:
-                            step = compiler.step(accumulate, policy, shard)
-                            concrete = _sparsify(make_model(remat), density, key)
-                            seconds = time_step(step, concrete, structs, key, steps)
-                            c = dataclasses.replace(c, seconds=seconds)
-                        candidates.append(c)
-                        if progress is not None:
-                            progress(_progress_line(c, len(candidates), total, t0))
+    specs = [
+        Spec(i, remat, density, get_policy(precision), accumulate, shard)
+        for i, remat in enumerate(remats)
+        for density in densities
+        for precision in precisions
+        for accumulate in usable
+        for shard in shards
+    ]
+    compiler = Compiler(loss_fn, optimizer, loss_scale, mesh, data_axis, structs, key, remats,
+                        target)  # fmt: skip
+    search = Search(compiler, make_model, budget_bytes, peak, measure, steps, progress, len(specs))
+    if prune:
+        candidates, pruned = search.pruned(specs, _throughput(peak, target.backend, rank_for))
+    else:
+        candidates, pruned = [search.judge(spec) for spec in specs], []
+    if not candidates:  # every one pruned for its state and batch alone
+        raise BudgetError(
+            f"no combination fits budget={format_bytes(budget_bytes)} ({budget_bytes} bytes): "
+            + "; ".join(pruned)
+            + ". Raise the budget, or shrink the model's state (shard='fsdp' over devices, "
+            "16-bit state, a smaller model).",
+            (),
+            None,
+        )
     candidates = tuple(candidates)
     return _choose(
         Plan(
@@ -274,6 +255,7 @@ def plan(
             skipped=skipped,
             device=target.describe(),
             budget_from=budget_from,
+            pruned=tuple(pruned),
         )
     )
 
@@ -344,76 +326,3 @@ def _dividing(accumulates: tuple, size: int, devices: int) -> tuple[list, tuple[
             + "; use divisors."
         )
     return usable, skipped
-
-
-@dataclasses.dataclass
-class _Compiler:
-    """The steps and reports of a plan's candidates, each compiled once.
-
-    Reports are kept by (remat index, density, accumulate, policy, shard): on XLA:CPU a
-    16-bit candidate's GPU/TPU estimate needs its float32-compute twin, often a candidate
-    itself."""
-
-    loss_fn: Callable[..., Any]
-    optimizer: optax.GradientTransformation
-    loss_scale: Any
-    mesh: Mesh | None
-    data_axis: str
-    structs: Any
-    key: Any
-    remats: tuple
-    target: Target
-    reports: dict[tuple, MemoryReport] = dataclasses.field(default_factory=dict)
-
-    def step(self, accumulate: int, policy: Policy, shard: str) -> Any:
-        return make_step(
-            self.loss_fn,
-            self.optimizer,
-            accumulate=accumulate,
-            precision=policy,
-            loss_scale=self.loss_scale,
-            mesh=self.mesh,
-            data_axis=self.data_axis,
-            shard=shard,
-        )
-
-    def report(self, where: tuple, model: Any, accumulate: int, policy: Policy, shard: str):
-        index = (*where, accumulate, policy, shard)
-        if index not in self.reports:
-            step = self.step(accumulate, policy, shard)
-            twin_policy = float32_twin(step.policy, self.target)
-            # (The twin's loss scale may differ from the step's: a few bytes of state.)
-            twin = (
-                None
-                if twin_policy is None
-                else self.report(where, model, accumulate, twin_policy, shard)
-            )
-            i, density = where
-            name = f"remat={remat_text(self.remats[i])} x{accumulate} {precision_name(policy)}"
-            name += f" {shard}" if shard != "data" else ""
-            name += f" density={density:g}" if density is not None else ""
-            self.reports[index] = step_report(
-                step,
-                self.loss_fn,
-                model,
-                self.structs,
-                key=self.key,
-                name=name,
-                twin=twin,
-                mesh=self.mesh,
-                data_axis=self.data_axis,
-                shard=shard,
-                target=self.target,
-            )
-        return self.reports[index]
-
-
-def _progress_line(c: Candidate, n: int, total: int, t0: float) -> str:
-    """The line `progress` hears of the `n`-th candidate, compiled since `t0`."""
-    return (
-        f"[{n}/{total}] {c.label}: peak "
-        f"{format_bytes(c.peak_bytes)}"
-        + (" (fits)" if c.fits else "")
-        + (f", {c.seconds:.4f} s/step" if c.seconds is not None else "")
-        + f" ({time.perf_counter() - t0:.1f} s)"
-    )
