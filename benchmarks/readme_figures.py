@@ -615,6 +615,46 @@ def _images(n: int) -> str:
     return "one image" if n == 1 else f"{n} images"
 
 
+def _paper_gpu_goals(r: dict) -> str:
+    """The paper's goals judged on the compile-only GPU target's figures."""
+    name, g = r["gpu_target"], r["goals"][r["gpu_target"]]
+    wrn, tr = r["wrn"], r["transformer"]
+    best = max((k for k in g if k.startswith("fp16_") and g[k]), key=lambda k: g[k])
+    row = best.removesuffix("_reduction")
+    micro = 100 // wrn[row]["config"]["accumulate"]
+    device = wrn["baseline_fp32"][name]["device"]
+    combo = tr["transformer_fp16_checkpoint_micro250"][name]["total"]
+    base = tr["transformer_baseline_fp32"][name]["total"]
+    return (
+        f"Every row is also compiled for an {name.upper()} ({device}, nothing run): the "
+        f"{name.upper()} columns. The paper measured on GPUs, so its goals are judged there: "
+        + unmet(
+            g["wrn_baseline_within_2pct_of_404.8"],
+            f"the FP32 baseline within 2% of the paper's 404.8 MB "
+            f"({g['wrn_baseline_mb']:.1f} MB)",
+        )
+        + "; "
+        + unmet(
+            g["wrn_combined_reduction_met"],
+            f"the paper's combination (micro-batches of 10) at least 60.7x below it "
+            f"({x(g['wrn_combined_reduction'], 1)})",
+        )
+        + ", "
+        + unmet(
+            g["wrn_best_reduction_met"],
+            f"at any micro-batch ({x(g[best], 1)} with micro-batches of {_images(micro)})",
+        )
+        + "; "
+        + unmet(
+            g["transformer_reduction_met"],
+            f"the transformer's combination at least 8.7x below its baseline "
+            f"({x(g['transformer_reduction'], 2)}: {combo / MB:,.1f} MB against "
+            f"{base / MB:,.1f} MB)",
+        )
+        + "."
+    )
+
+
 def paper_tables() -> str:
     """The paper's two memory tables and their goals, in both accountings."""
     r = result("paper")
@@ -624,8 +664,9 @@ def paper_tables() -> str:
                key=lambda k: g[k + "_reduction"])  # fmt: skip
     t = r["step_time"]
     combo = tr["transformer_fp16_checkpoint_micro250"]
+    gpu = _paper_gpu_goals(r)
     text = paragraph(
-        f"Measured on {date('paper')}. Goals, in what XLA allocates: "
+        f"Measured on {date('paper')}. {gpu} Goals, in what XLA:CPU allocates: "
         + unmet(
             g["wrn_best_reduction_met"],
             f"the WRN-28-2 combination at least 60.7x below the FP32 baseline "

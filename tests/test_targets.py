@@ -172,3 +172,16 @@ def test_a_process_whose_cuda_plugin_failed_to_start_still_compiles_for_a_gpu():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "device: NVIDIA L4 (compile-only target 'l4') cpu" in done.stdout
+
+
+def test_a_tpu_target_compiles_with_libtpu_or_names_the_extra():
+    import importlib.util
+
+    args = (_model(), el.train.cross_entropy, optax.sgd(0.1), (X, Y))
+    if importlib.util.find_spec("libtpu") is None:  # CI: the test command leaves it out
+        with pytest.raises(ImportError, match=r"pip install 'eqx-lowmem\[tpu-plan\]'"):
+            el.memory.memory_report(*args, target="v5e")
+        return
+    report = el.memory.memory_report(*args, target=Target("v5e", devices=4), shard="fsdp")
+    assert report.backend == "tpu" and report.device.startswith("TPU v5 lite x 4")
+    assert Target("v5e").budget_bytes == 16 * 2**30

@@ -42,8 +42,10 @@ PEAK_LABELS: dict[str, str] = {
     "batch": "batch",
     "other": "other temporaries",
 }
-# The options that make XLA write its buffer assignment (and the optimized module).
-DUMP_OPTIONS = {"xla_dump_hlo_as_text": True}
+# The options that make XLA write the optimized module as text and its buffer assignment
+# with live ranges (`*-buffer-assignment.txt`, `*-live-range.txt`): set, not left to the
+# jaxlib's defaults (the analysis option defaults to on in jaxlib 0.10 only by chance).
+DUMP_OPTIONS = {"xla_dump_hlo_as_text": True, "xla_dump_buffer_assignment_analysis": True}
 
 _LIVE = re.compile(r"^\s+(\S+?)\{([0-9,]*)\}: (\d+) bytes", re.M)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([a-z][a-z0-9-]*)\((.*)$")

@@ -286,10 +286,11 @@ def _notes(target, twin, sizes, peak, devices, shard, replicated, arrays) -> lis
     backend = target.backend
     if target.compile_only:
         notes.append(
-            f"Compiled for {target.describe()} by XLA's GPU compiler without the device: its "
-            "buffer assignment for that GPU (cuDNN convolutions, native 16-bit arithmetic, "
-            "its fusions), so the peak is the GPU's; nothing ran. Attention and other choices "
-            "made while tracing are this machine's (see the attention note)."
+            f"Compiled for {target.describe()} by XLA's {backend.upper()} compiler without "
+            "the device: its buffer assignment for that device (its convolutions, native "
+            "16-bit arithmetic, its fusions), the peak XLA plans there; nothing ran. "
+            "Attention and other choices made while tracing are this machine's (see the "
+            "attention note)."
         )
     elif backend == "cpu" and twin is not None:
         notes.append(

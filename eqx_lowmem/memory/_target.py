@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import difflib
 import importlib.metadata
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
@@ -66,13 +67,33 @@ GPUS: dict[str, _Gpu] = {
                  6 * _MIB, 16_935_682_048, 898_048_000_000, 1.53),
 }  # fmt: skip
 _ALIASES = {"h100-sxm": "h100", "h100-80gb": "h100", "a100": "a100-80gb"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tpu:
+    """A TPU generation: libtpu compiles for its topologies without one."""
+
+    memory: int  # HBM bytes per chip
+    shapes: dict[int, str]  # chips -> topology shape (from one host's chips up)
+
+
+# A slice of at least one host's chips; fewer devices are the first of the smallest.
+_2D = {4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}
+# Installed with `eqx-lowmem[tpu-plan]` (libtpu, about 700 MB); HBM per chip.
+TPUS: dict[str, _Tpu] = {
+    "v4": _Tpu(32 * 2**30, _3D),
+    "v5e": _Tpu(16 * 2**30, _2D),
+    "v5p": _Tpu(95 * 2**30, _3D),
+    "v6e": _Tpu(32 * 2**30, _2D),
+}
 # Not GPU names: where the program runs.
 _HERE = ("cpu", "attached")
 
 
 def known_targets() -> tuple[str, ...]:
     """Every name `Target` takes: `"cpu"`, `"attached"` and the GPUs (`"h100"`, ...)."""
-    return (*_HERE, *GPUS, *_ALIASES)
+    return (*_HERE, *GPUS, *_ALIASES, *TPUS)
 
 
 def config_text(gpu: _Gpu) -> str:
@@ -120,6 +141,8 @@ class Target:
       `"a100-80gb"`, `"l4"`, `"a10g"`, `"rtx4090"`, `"v100"`): compiled for that GPU on any
       machine, with no GPU and no driver, from its hardware facts. Needs the CUDA plugin
       wheels: `pip install 'eqx-lowmem[gpu-plan]'` (about 180 MB, no NVIDIA libraries);
+    - a TPU generation (`"v4"`, `"v5e"`, `"v5p"`, `"v6e"`), compiled for by libtpu the
+      same way: `pip install 'eqx-lowmem[tpu-plan]'` (about 700 MB);
     - a path to a `GpuTargetConfigProto` text file (XLA keeps such specs of many GPUs in
       `xla/backends/gpu/target_config/specs/`), for a GPU not listed.
 
@@ -184,13 +207,16 @@ class Target:
     # -- what it is ------------------------------------------------------------------------
 
     @property
-    def _spec(self) -> _Gpu | str | None:
-        """The GPU's facts, a config file's text, or None for this process's device."""
+    def _spec(self) -> _Gpu | _Tpu | str | None:
+        """The GPU's facts, a TPU's, a config file's text, or None for this process's
+        device."""
         name = self.name.lower()
         if name in _HERE:
             return None
         if name in GPUS or name in _ALIASES:
             return GPUS[_ALIASES.get(name, name)]
+        if name in TPUS:
+            return TPUS[name]
         path = Path(self.name)
         if path.is_file():
             return path.read_text()
@@ -203,23 +229,27 @@ class Target:
 
     @property
     def compile_only(self) -> bool:
-        """True for a GPU compiled for without one (a GPU name or a config file)."""
+        """True for a device compiled for without one (a GPU or TPU name, a config file)."""
         return self._spec is not None
 
     @property
     def platform(self) -> str:
-        """`"cuda"` for a GPU target, else this process's backend (`"cpu"`, `"gpu"`...)."""
-        return "cuda" if self.compile_only else jax.default_backend()
+        """`"cuda"` for a GPU target, `"tpu"` for a TPU one, else this process's backend."""
+        if not self.compile_only:
+            return jax.default_backend()
+        return "tpu" if isinstance(self._spec, _Tpu) else "cuda"
 
     @property
     def backend(self) -> str:
         """The backend kind the step is compiled for: `"gpu"` for a GPU target."""
-        return "gpu" if self.compile_only else jax.default_backend()
+        return "gpu" if self.platform == "cuda" else self.platform
 
     @property
     def config(self) -> str | None:
         """The `GpuTargetConfigProto` text compiled with (None without a GPU target)."""
         spec = self._spec
+        if isinstance(spec, _Tpu):
+            return None
         return config_text(spec) if isinstance(spec, _Gpu) else spec
 
     @property
@@ -234,7 +264,7 @@ class Target:
     def memory_bytes(self) -> int | None:
         """One device's memory in bytes; None where unknown (XLA:CPU)."""
         spec = self._spec
-        if isinstance(spec, _Gpu):
+        if isinstance(spec, (_Gpu, _Tpu)):
             return spec.memory
         if isinstance(spec, str):
             found = _field(spec, "device_memory_size")
@@ -250,8 +280,8 @@ class Target:
         """The share of `memory_bytes` XLA may use (see `mem_fraction`)."""
         if self.mem_fraction is not None:
             return self.mem_fraction
-        if self.name.lower() == "attached":
-            return 1.0  # bytes_limit is what the allocator may use already
+        if self.name.lower() == "attached" or self.platform == "tpu":
+            return 1.0  # bytes_limit is what the allocator may use; a TPU's XLA takes all
         return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
 
     @property
@@ -285,6 +315,10 @@ class Target:
                     f"{len(found)} {jax.default_backend()} device(s)."
                 )
             return found[: self.devices]
+        spec = self._spec
+        if isinstance(spec, _Tpu):
+            topology = _tpu_topology(self.name.lower(), spec, self.devices)
+            return list(topology.devices)[: self.devices]
         return list(_topology(self.config, self.devices, self.name).devices)
 
     def mesh(self, shape: tuple[int, ...], axis_names: tuple[str, ...]) -> Mesh:
@@ -321,7 +355,7 @@ def _memory_stats() -> dict | None:
         return None
 
 
-_TOPOLOGIES: dict[tuple[str, int], Any] = {}
+_TOPOLOGIES: dict[tuple[str | None, int], Any] = {}
 
 
 def _topology(config: str, devices: int, name: str) -> Any:
@@ -350,6 +384,29 @@ def _topology(config: str, devices: int, name: str) -> Any:
                     + (f"; XLA says: {message[-1].strip()}" if message else "")
                 ) from None
         _TOPOLOGIES[key] = topology
+    return _TOPOLOGIES[key]
+
+
+def _tpu_topology(name: str, tpu: _Tpu, devices: int) -> Any:
+    """The compile-only topology of `devices` chips of TPU `name` (kept)."""
+    key = (name, devices)
+    if key not in _TOPOLOGIES:
+        if importlib.util.find_spec("libtpu") is None:
+            raise ImportError(
+                "a TPU target compiles with libtpu, which is not installed: pip install "
+                "'eqx-lowmem[tpu-plan]' (about 700 MB; no TPU needed)."
+            )
+        chips = [n for n in sorted(tpu.shapes) if n >= devices]
+        if not chips:
+            raise ValueError(
+                f"Target({name!r}, devices={devices}): at most {max(tpu.shapes)} chips."
+            )
+        from jax.experimental import topologies
+
+        with _captured_stderr():  # libtpu logs that it finds no TPU host here
+            _TOPOLOGIES[key] = topologies.get_topology_desc(
+                platform="tpu", topology_name=f"{name}:{tpu.shapes[chips[0]]}"
+            )
     return _TOPOLOGIES[key]
 
 
