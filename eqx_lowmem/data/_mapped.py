@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -90,6 +91,7 @@ class MappedRows:
             index = np.indices(sample.shape).reshape(sample.ndim, -1).T
             self._runs = (index * np.asarray(array.strides[1:], np.int64)).sum(1)
             self._run_bytes = array.itemsize
+        self._local = threading.local()  # each thread's iovec buffer
         self._fd: int | None = None
         if method == "pread":
             self._fd = os.open(self._path, os.O_RDONLY)
@@ -128,17 +130,29 @@ class MappedRows:
                 "memory-maps it: keep it unchanged while the stream runs."
             )
 
+    def _iovecs(self) -> tuple[np.ndarray, int]:
+        """This thread's iovec buffer (the local one, then `_IOV_MAX` remote ones) and its
+        address: made once per thread, as a NumPy array and its address cost more than the
+        system call on small rows."""
+        try:
+            return self._local.iov, self._local.address
+        except AttributeError:
+            iov = np.zeros((_IOV_MAX + 1, 2), np.uint64)
+            self._local.iov, self._local.address = iov, iov.ctypes.data
+            return iov, self._local.address
+
     def _copy_vm(self, starts: np.ndarray, out: np.ndarray, run: int) -> int:
         call = _process_vm_readv()
         assert call is not None
+        iov, address = self._iovecs()
+        local, remote = address, address + iov.strides[0]
         pid, copied, dst = os.getpid(), 0, out.ctypes.data
         for first in range(0, starts.size, _IOV_MAX):
             part = starts[first : first + _IOV_MAX]
-            remote = np.empty((part.size, 2), np.uint64)
-            remote[:, 0] = part.astype(np.uint64) + np.uint64(self._base)
-            remote[:, 1] = run
-            local = np.array([dst + first * run, part.size * run], np.uint64)
-            n = call(pid, local.ctypes.data, 1, remote.ctypes.data, part.size, 0)
+            np.add(part, self._base, out=iov[1 : 1 + part.size, 0], casting="unsafe")
+            iov[1 : 1 + part.size, 1] = run
+            iov[0] = (dst + first * run, part.size * run)
+            n = call(pid, local, 1, remote, part.size, 0)
             if n != part.size * run:
                 return copied + max(int(n), 0)
             copied += n

@@ -99,6 +99,7 @@ class Step:
         # unlike eqx.filter_jit, lowering then accepts jax.ShapeDtypeStruct stand-ins, so
         # memory can be analysed without allocating anything.
         self._jitted = jax.jit(self._step_arrays, static_argnums=3, donate_argnums=2)
+        self._ones: dict[int, Array] = {}  # `_unit_weights`' arrays, by batch size
 
     # -- what callers read ---------------------------------------------------------------
 
@@ -238,11 +239,13 @@ class Step:
             `params_finite` (False when the new parameters hold NaN or inf).
         """
         c = self.config
-        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        # One flatten of the state serves the consumed check and the jitted call's split.
+        dynamic, static = split(state)
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in dynamic):
             raise ValueError(_CONSUMED)
         batch = tuple(batch)
         size = self._check_batch(batch, weights)
-        w = np.ones((size,), np.float32) if weights is None else weights
+        w = self._unit_weights(size) if weights is None else weights
         local = 1 if c.mesh is None else max(1, self.n_shards // jax.process_count())
         if c.has_state:
             # Never pad a stateful model: repeats would enter BatchNorm's statistics. The
@@ -271,7 +274,6 @@ class Step:
                 )
             else:
                 batch, w = jax.device_put((batch, w), sharding)
-        dynamic, static = split(state)
         run = self._jitted if c.jit else self._step_arrays
         new_dynamic, metrics = run(batch, w, dynamic, static)
         return merge(new_dynamic, static), metrics
@@ -309,6 +311,16 @@ class Step:
         return self.trace(state, batch, weights).lower()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _unit_weights(self, size: int) -> Array:
+        """Weights of 1 for `size` samples, put on the device once per size (a transfer
+        per call cost as much as the rest of the dispatch on small steps); not donated."""
+        ones = self._ones.get(size)
+        if ones is None:
+            ones = jnp.ones((size,), jnp.float32)
+            if not isinstance(ones, jax.core.Tracer):  # never keep one from inside a trace
+                self._ones[size] = ones
+        return ones
 
     def _check_batch(self, batch: tuple, weights) -> int:
         if not batch:
