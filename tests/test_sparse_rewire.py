@@ -583,3 +583,23 @@ def test_random_regrowth_that_cannot_place_every_weight_fails_loudly(getkey):
     # with rounds enough it places it
     out, taken = grow(indices, 1, key, size=size, draws=64)
     assert int(out[-1]) == 0 and bool(taken[-1])
+
+
+def test_rewiring_zeroes_the_slots_of_8_bit_moments(getkey):
+    opt = el.precision.quantized_state(optax.adam(1e-2), block=16)  # the layers' values: > 16
+    step = el.train.make_step(el.train.mse, opt, after_update=sp.set_(period=1))
+    state = step.init(_model(getkey()), key=getkey())
+    batch = _data(getkey())
+    for _ in range(3):
+        state, _ = step(state, batch)
+    adam = state.opt_state.inner[0]
+    layer = state.model.layers[1]
+    for moment in (adam.mu, adam.nu):
+        packed = moment.layers[1].values
+        assert isinstance(packed, el.precision.QuantizedArray)
+        m = np.asarray(packed.dense())
+        v = np.asarray(layer.values)
+        live = np.asarray(layer.indices) < layer.size
+        grown = live & (v == 0)
+        assert np.any(grown) and np.all(m[grown] == 0) and np.any(m[live & (v != 0)] != 0)
+        assert np.all(m[~live] == 0)  # empty slots hold no state

@@ -1,4 +1,4 @@
-"""Low precision: dtype policies, dynamic loss scaling, 16-bit parameters and state."""
+"""Low precision: dtype policies, dynamic loss scaling, 16-bit parameters, 16- and 8-bit state."""
 
 from ._loss_scale import (
     DynamicLossScale as DynamicLossScale,
@@ -11,6 +11,12 @@ from ._policy import (
     Policy as Policy,
     cast_floating as cast_floating,
     get_policy as get_policy,
+)
+from ._quantized import (
+    QuantizedArray as QuantizedArray,
+    QuantizedState as QuantizedState,
+    dynamic_code as dynamic_code,
+    quantized_state as quantized_state,
 )
 from ._rounding import (
     stochastic_round as stochastic_round,

@@ -19,6 +19,13 @@ def _is_buffer(x: Any) -> bool:
     return eqx.is_inexact_array(x) and x.ndim >= 1 and jnp.issubdtype(x.dtype, jnp.floating)
 
 
+def _is_packed(x: Any) -> bool:
+    """A leaf `quantized_state` packed (codes and scales): left as it is in 16-bit state."""
+    from ._quantized import QuantizedArray  # noqa: PLC0415 (it imports this module)
+
+    return isinstance(x, QuantizedArray)
+
+
 def _nearest(dtype: Any):
     return lambda x: x.astype(dtype) if _is_buffer(x) else x
 
@@ -97,7 +104,7 @@ def half_state(
 
     def store(inner_state, key):
         """The buffers of `inner_state` in `dtype`, everything else as it is."""
-        leaves, treedef = jax.tree.flatten(inner_state)
+        leaves, treedef = jax.tree.flatten(inner_state, is_leaf=_is_packed)
         slots = [i for i, x in enumerate(leaves) if _is_buffer(x)]
         buffers = [leaves[i] for i in slots]
         if stochastic:
@@ -113,11 +120,11 @@ def half_state(
         key = jr.PRNGKey(seed) if stochastic else None
         # The first state is exact in any dtype (zeros, usually): nearest is enough, and
         # `key` stays unused until the first update.
-        return HalfState(jax.tree.map(_nearest(dtype), inner_state), key)
+        return HalfState(jax.tree.map(_nearest(dtype), inner_state, is_leaf=_is_packed), key)
 
     def update(updates, state, params=None):
         # Buffers to float32; scalars (counts, hyperparameters) were never cast.
-        inner_state = jax.tree.map(_nearest(jnp.float32), state.inner)
+        inner_state = jax.tree.map(_nearest(jnp.float32), state.inner, is_leaf=_is_packed)
         params32 = None if params is None else cast_floating(params, jnp.float32)
         updates, inner_state = inner.update(
             cast_floating(updates, jnp.float32), inner_state, params32

@@ -8,7 +8,8 @@ positions into free slots. Shapes and dtypes never change: no host round trip, n
 recompilation. Pruned and grown slots get value 0 and zero
 optimizer state (every entry of the optimizer state laid out like the parameters: optax's
 `mu`, `nu`, `trace`, ..., also under `optax.chain`, `masked`, `multi_transform`,
-`inject_hyperparams` and `eqx_lowmem.precision.half_state`; per-slot state laid out any
+`inject_hyperparams`, `eqx_lowmem.precision.half_state` and `quantized_state`, whose
+8-bit entries are dequantised, zeroed and requantised on rewiring steps; per-slot state laid out any
 other way is refused with an error, see `_Slots`), inside the same loops, in place: a step
 that does not rewire does no work on the slots.
 After rewiring, each layer's slots are put back in the order of their positions, empty
@@ -29,6 +30,7 @@ import jax.random as jr
 import optax
 from jaxtyping import Array
 
+from ..precision._quantized import QuantizedArray
 from ._layers import is_sparse
 from ._storage import bits_of, is_bitset, positions_of
 
@@ -212,6 +214,20 @@ def _is_masked(x: Any) -> bool:
     return isinstance(x, optax.MaskedNode)
 
 
+def _is_entry(x: Any) -> bool:
+    """One parameter's entry of per-parameter state that is not an array: a `MaskedNode`,
+    or a `QuantizedArray` (`eqx_lowmem.precision.quantized_state`), shaped as its `shape`."""
+    return _is_masked(x) or isinstance(x, QuantizedArray)
+
+
+def _dense(x: Any) -> Any:
+    return x.dense() if isinstance(x, QuantizedArray) else x
+
+
+def _pack(like: Any, x: Array) -> Any:
+    return like.like(x) if isinstance(like, QuantizedArray) else x
+
+
 def _laid_out_like(node: Any, params: Any) -> bool:
     """Whether `node` is laid out like `params`: the same tree with an array at each of
     their leaves, where an `optax.MaskedNode` may stand for any part (`optax.masked`)."""
@@ -225,7 +241,7 @@ def _laid_out_like(node: Any, params: Any) -> bool:
             ok = False  # one entry for a whole subtree of parameters
 
     try:
-        jax.tree.map(visit, node, params, is_leaf=_is_masked)
+        jax.tree.map(visit, node, params, is_leaf=_is_entry)
     except (ValueError, TypeError):
         return False
     return ok
@@ -280,14 +296,14 @@ class _Slots:
                         f"slots. {_FIX}"
                     )
                 continue
-            with_paths, node_def = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_masked)
+            with_paths, node_def = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_entry)
             self.shadows[k] = ([leaf for _, leaf in with_paths], node_def)
             at = {_key(p): i for i, (p, leaf) in enumerate(with_paths) if not _is_masked(leaf)}
             for j, (x, path) in enumerate(zip(self.layers, paths, strict=True)):
                 if path not in at:
                     continue  # under a MaskedNode: the optimizer keeps nothing for it
                 entry = with_paths[at[path]][1]
-                if eqx.is_array(entry) and entry.shape == x.values.shape:
+                if (eqx.is_array(entry) or _is_entry(entry)) and entry.shape == x.values.shape:
                     self.entries[j].append((k, at[path]))
                 elif not (eqx.is_array(entry) and entry.size == 1):
                     got = f"{entry.dtype}{list(entry.shape)}" if eqx.is_array(entry) else entry
@@ -298,12 +314,12 @@ class _Slots:
                         f"cannot map this one (a factored or flattened statistic). {_FIX}"
                     )
 
-    def get(self, j: int) -> list[Array]:
+    def get(self, j: int) -> list[Any]:
         """Layer `j`'s values, then its optimizer-state entries."""
         entries = [self.shadows[k][0][i] for k, i in self.entries[j]]
         return [self.layers[j].values, *entries]
 
-    def set(self, j: int, slots: list[Array]) -> None:
+    def set(self, j: int, slots: list[Any]) -> None:
         self.layers[j] = dataclasses.replace(self.layers[j], values=slots[0])
         for (k, i), s in zip(self.entries[j], slots[1:], strict=True):
             self.shadows[k][0][i] = s
@@ -360,7 +376,8 @@ def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -
         arrays = slots.get(j)
 
         def rewired(indices, *rest, x=x, n=n):
-            arrays, (plan_j, keys_j) = rest[:-2], rest[-2:]  # carried, then read only
+            forms, (plan_j, keys_j) = rest[:-2], rest[-2:]  # carried, then read only
+            arrays = [_dense(a) for a in forms]  # 8-bit state: this layer's, while it runs
             flat = [_flat2(a, n) for a in arrays]
 
             def layer(stored, plan, key, *flat):
@@ -371,7 +388,8 @@ def _rewire(state: Any, do: Array, plan: Callable, one: Callable, keys: Array) -
                 return _store(x, i, stored), *moved
 
             indices, *flat = _per_layer(layer, indices, plan_j, keys_j, *flat)
-            return indices, *[f.reshape(a.shape) for f, a in zip(flat, arrays, strict=True)]
+            out = [f.reshape(a.shape) for f, a in zip(flat, arrays, strict=True)]
+            return indices, *[_pack(f, a) for f, a in zip(forms, out, strict=True)]
 
         carry = (_flat2(x.indices, n), *arrays)
         indices, *arrays = _when(do, rewired, carry, (plans[j], jr.split(k, n)))

@@ -1,0 +1,126 @@
+"""8-bit optimizer state (`quantized_state`): code resolution, updates against float32
+Adam, compiled memory, composition with make_step, half_state and checkpoints, bad input."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+import pytest
+
+import eqx_lowmem as el
+from eqx_lowmem.precision import QuantizedArray, dynamic_code, quantized_state
+from eqx_lowmem.precision._quantized import quantize
+
+
+def _half_gap(signed):
+    """Half the widest gap of the code: the worst relative (to absmax) rounding error."""
+    return float(np.max(np.diff(dynamic_code(signed).astype(np.float64)))) / 2
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_round_trip_error_within_half_a_code_step_per_block(signed, getkey):
+    block = 256
+    x = jr.normal(getkey(), (7, 100)) * jnp.logspace(-4, 2, 7)[:, None]  # 700: last block padded
+    x = x if signed else x**2
+    q = quantize(x, block, signed=signed)
+    assert q.codes.shape == (3, block) and q.codes.dtype == jnp.uint8
+    err = np.abs(np.asarray(q.dense()) - np.asarray(x)).ravel()
+    err = np.pad(err, (0, 3 * block - 700)).reshape(3, block)
+    absmax = np.abs(np.pad(np.asarray(x).ravel(), (0, 3 * block - 700))).reshape(3, block)
+    bound = absmax.max(axis=1) * (_half_gap(signed) + 2 * np.finfo(np.float32).eps)
+    assert np.all(err.max(axis=1) <= bound)
+    # the dynamic code is relative near zero too: tiny entries keep most of their value
+    small = np.abs(np.asarray(x).ravel()) > 1e-5 * absmax.ravel()[:700].max()
+    rel = err.ravel()[:700][small] / np.abs(np.asarray(x).ravel()[small])
+    assert np.median(rel) < 0.1
+
+
+def test_first_update_is_adams_and_stored_moments_within_code_resolution(getkey):
+    params = {"w": jr.normal(getkey(), (64, 80)), "b": jr.normal(getkey(), (80,))}
+    grads = jax.tree.map(lambda p: jr.normal(getkey(), p.shape), params)
+    adam = optax.adam(1e-3)
+    q = quantized_state(adam, block=512)
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction: float ** int32
+        u32, s32 = jax.jit(adam.update)(grads, adam.init(params), params)
+        u8, s8 = jax.jit(q.update)(grads, q.init(params), params)
+    # zero state dequantises exactly to zero: the first update is Adam's, bit for bit
+    assert eqx.tree_equal(u32, u8)
+    for name, signed in (("mu", True), ("nu", False)):
+        stored = getattr(s8.inner[0], name)
+        exact = getattr(s32[0], name)
+        assert isinstance(stored["w"], QuantizedArray) and stored["w"].signed == signed
+        assert eqx.tree_equal(stored["b"], exact["b"])  # under one block: float32, exact
+        blocks = np.asarray(exact["w"]).reshape(-1, 512)
+        err = np.abs(np.asarray(stored["w"].dense()).reshape(-1, 512) - blocks)
+        # half a code step of the block's absmax, plus float32 rounding of the product
+        bound = np.abs(blocks).max(1) * (_half_gap(signed) + 2 * np.finfo(np.float32).eps)
+        assert np.all(err.max(1) <= bound), name
+
+
+def test_adam_state_is_at_most_2_1_bytes_a_parameter():
+    params = {f"w{i}": jnp.zeros((512, 256)) for i in range(8)}
+    state = quantized_state(optax.adam(1e-3)).init(params)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    assert nbytes / (8 * 512 * 256) <= 2.1
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 39 goal not met yet: XLA:CPU materialises the dequantised state "
+    "(measured temp 16 MiB against 8 MiB of float32 state); see quant8's report",
+)
+def test_no_float32_state_copy_in_the_compiled_update():
+    params = {f"w{i}": jnp.zeros((512, 256)) for i in range(8)}
+    opt = quantized_state(optax.adam(1e-3))
+    state = opt.init(params)
+    with jax.numpy_dtype_promotion("standard"):
+        compiled = jax.jit(opt.update).lower(params, state, params).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    float32_state = 8 * 8 * 512 * 256  # mu and nu in float32
+    assert temp < float32_state, (temp, float32_state)
+
+
+def test_trains_under_make_step_with_accumulation_loss_scaling_and_resumes(tmp_path, getkey):
+    model = el.nn.mlp([16, 160, 4], key=getkey())
+    x, y = jr.normal(getkey(), (32, 16)), jr.normal(getkey(), (32, 4))
+    opt = quantized_state(optax.adam(1e-2), block=256)
+    step = el.train.make_step(el.train.mse, opt, accumulate=2, precision="mixed_fp16")
+    key = getkey()
+    straight = step.init(model, key=key)
+    losses = []
+    for _ in range(6):
+        straight, info = step(straight, (x, y))
+        losses.append(float(info["loss"]))
+    assert losses[-1] < 0.8 * losses[0]
+    half = step.init(model, key=key)
+    for _ in range(3):
+        half, _ = step(half, (x, y))
+    el.train.save_checkpoint(tmp_path / "ckpt", half, {"step": 3})
+    resumed, _ = el.train.load_checkpoint(tmp_path / "ckpt", step.init(model, key=key))
+    for _ in range(3):
+        resumed, _ = step(resumed, (x, y))
+    assert eqx.tree_equal(resumed, straight)
+
+
+def test_half_state_outside_keeps_codes_and_scales(getkey):
+    params = {"w": jnp.ones((40, 80)), "b": jnp.ones((8,))}
+    opt = el.precision.half_state(quantized_state(optax.adam(1e-3), block=1024))
+    state = opt.init(params)
+    with jax.numpy_dtype_promotion("standard"):
+        _, state = jax.jit(opt.update)(params, state, params)
+    mu = state.inner.inner[0].mu
+    assert mu["b"].dtype == jnp.bfloat16
+    assert mu["w"].codes.dtype == jnp.uint8 and mu["w"].scale.dtype == jnp.float32
+    with pytest.raises(ValueError, match=r"half_state\(quantized_state\(opt\)\)"):
+        quantized_state(el.precision.half_state(optax.adam(1e-3))).init(params)
+
+
+def test_bad_arguments():
+    for bits in (4, 16, True):
+        with pytest.raises(ValueError, match=rf"bits={bits!r}\); expected 8"):
+            quantized_state(optax.adam(1e-3), bits=bits)
+    for block in (0, -4, True):
+        with pytest.raises(ValueError, match=rf"block={block!r}\); expected a positive int"):
+            quantized_state(optax.adam(1e-3), block=block)
