@@ -33,8 +33,9 @@ def apply_with_batch_statistics(
     other examples of each micro-batch, exactly as in training. `eqx_lowmem.nn.GroupNorm`
     avoids the choice (no batch statistics at all).
 
-    Memory and time: one micro-batch's activations at a time; one jitted call per
-    micro-batch (and one more compilation for a smaller last one).
+    Memory and time: as the usual evaluation of `x` at once (all whole micro-batches run
+    in one call, an outer `jax.vmap` over them; a smaller last one in a second call, one
+    more compilation): pass `x` in pieces to hold less.
 
     Args:
         model: a model with `eqx_lowmem.nn.BatchNorm` layers (in training or inference
@@ -73,17 +74,30 @@ def apply_with_batch_statistics(
             f"micro-batch size), got {micro_batch!r}."
         )
     training = eqx.nn.inference_mode(model, value=False)
-    outputs = [
-        _apply(training, state, x[i : i + micro_batch]) for i in range(0, len(x), micro_batch)
-    ]
+    whole = len(x) // micro_batch * micro_batch
+    outputs = []
+    if whole:
+        groups = x[:whole].reshape((whole // micro_batch, micro_batch) + x.shape[1:])
+        out = _apply_groups(training, state, groups)  # (groups, micro_batch, ...)
+        outputs.append(out.reshape((whole,) + out.shape[2:]))
+    if whole < len(x):
+        outputs.append(_apply(training, state, x[whole:]))
     return jnp.concatenate(outputs)
 
 
-@eqx.filter_jit
-def _apply(model: Any, state: eqx.nn.State, x: Array) -> Array:
+def _call(model: Any, state: eqx.nn.State, x: Array) -> Array:
     if hasattr(model, "batched"):
         out, _ = model.batched(x, state)
     else:
         call = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
         out, _ = call(x, state)
     return out
+
+
+_apply = eqx.filter_jit(_call)
+
+
+@eqx.filter_jit
+def _apply_groups(model: Any, state: eqx.nn.State, groups: Array) -> Array:
+    """Every micro-batch at once: an outer vmap over them, each with its own statistics."""
+    return jax.vmap(lambda xb: _call(model, state, xb))(groups)
