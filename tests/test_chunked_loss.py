@@ -148,3 +148,20 @@ def test_the_chunked_loss_and_gradient_hold_a_tenth_of_the_naive_temporaries():
     # At or below one default chunk of vocabulary, "auto" keeps the plain path.
     small = el.nn.CausalLM(2048, 65, 1, 32, 2, 64, key=jr.key(0), tie_embeddings=True)
     assert _temp_bytes(small, tokens, "auto") == _temp_bytes(small, tokens, None)
+
+
+def test_the_step_trains_the_same_with_the_chunked_loss_fused_and_accumulated():
+    import optax
+
+    model = el.nn.CausalLM(50, 12, 2, 16, 2, 32, key=jr.key(0), remat=True, tie_embeddings=True)
+    tokens = jr.randint(jr.key(1), (8, 13), 0, 50)
+    models = []
+    for chunk in (None, 16):  # fused accumulation runs through hidden_states as well
+        # (SGD: Adam would turn rounding-level gradient differences into whole steps)
+        loss = functools.partial(next_token_loss, chunk=chunk)
+        step = el.train.make_step(loss, optax.sgd(0.5), accumulate=4)
+        state = step.init(model, key=jr.key(2))
+        for _ in range(2):
+            state, _ = step(state, (tokens,))
+        models.append(eqx.filter(state.model, eqx.is_inexact_array))
+    assert tree_allclose(models[0], models[1], rtol=1e-4, atol=1e-4)
