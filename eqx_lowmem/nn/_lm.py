@@ -22,6 +22,11 @@ class CausalLM(eqx.Module):
     embedding itself, without a bias (as GPT-2, nanoGPT and fairseq's shared decoder
     embeddings): `vocab_size * (d_model + 1)` fewer parameters, and with them their
     gradients and optimizer state.
+
+    `hidden_states` (the final LayerNorm's output) and `head_weights` (the head as
+    `(weight, bias)`) are what `eqx_lowmem.train.next_token_loss` reads to compute the loss
+    one vocabulary chunk at a time, never holding the whole logits (its default above a
+    2,048-token vocabulary).
     """
 
     embed: Array  # (vocab, d_model)
