@@ -802,9 +802,8 @@ def _micro_batch_of_one(by: dict, cfg: dict) -> str:
     text += (
         f" Most of that is an evaluation mismatch, not what the network learned: the running "
         f"statistics average single images, which no training step normalised with. The same "
-        f"combination, rerun for the same updates (`frontier_norm.json`, {date('frontier_norm')}, 2 seeds): "
-        + "; ".join(said)
-        + "."
+        f"combination, rerun for the same updates (`frontier_norm.json`, "
+        f"{date('frontier_norm')}, 2 seeds): " + "; ".join(said) + "."
     )
     if best is not None:
         gap = 100 * (ten["test_accuracy"] - best["test_accuracy"])
