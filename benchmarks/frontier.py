@@ -19,6 +19,8 @@ most accurate configuration that fits.
     python benchmarks/frontier.py             # the full grid (about 45 minutes, 2 cores)
     python benchmarks/frontier.py --quick     # a smoke test (the test suite runs it)
     python benchmarks/frontier.py --configs fp32 combined --train 60000 --name frontier_long
+    python benchmarks/frontier.py --configs combined_micro1_bn_eval combined_micro1_gn \
+        combined_dense_micro1_gnws combined_micro2_bn_eval combined_gn --name frontier_norm
 """
 
 import argparse
@@ -85,6 +87,19 @@ CONFIGS = {
     "small_fp32": {**_FP32, **_SMALL},
     "small_combined_dense": {**_DENSE, **_SMALL},
 }
+# Normalisation at micro-batches of 10, 2 and 1 images (issue 36), not in the default grid
+# (`--configs`): BatchNorm evaluated as it trained (each micro-batch of test images by its
+# own statistics, `el.nn.apply_with_batch_statistics`), GroupNorm (8 groups) in
+# BatchNorm's place, and GroupNorm with Weight Standardization on the dense combination
+# (standardisation applies to dense convolutions only).
+NORM_CONFIGS = {
+    "combined_micro1_bn_eval": {**_COMBINED, "accumulate": 100, "eval_stats": "micro_batch"},
+    "combined_micro1_gn": {**_COMBINED, "accumulate": 100, "norm": "group"},
+    "combined_dense_micro1_gnws": {**_DENSE, "accumulate": 100, "norm": "group_ws"},
+    "combined_micro2_bn_eval": {**_COMBINED, "accumulate": 50, "eval_stats": "micro_batch"},
+    "combined_gn": {**_COMBINED, "norm": "group"},
+}
+ALL_CONFIGS = {**CONFIGS, **NORM_CONFIGS}
 # The grid `--quick` trains (dense and sparse, micro-batched, smaller): three rows, so
 # that its two workers finish within a minute (the combination compiles for about 26 s).
 QUICK_CONFIGS = ["combined", "fp32", "small_combined_dense"]
@@ -111,6 +126,11 @@ def uses(opts: dict, cfg: dict) -> str:
         parts.append(f"micro-batches of {cfg['batch'] // opts['accumulate']}")
     if opts["density"] is not None:
         parts.append(f"{opts['density']:.0%} DSR")
+    norm = {"group": "GroupNorm", "group_ws": "GroupNorm + WS"}.get(opts.get("norm", "batch"))
+    if norm:
+        parts.append(norm)
+    if opts.get("eval_stats") == "micro_batch":
+        parts.append("BatchNorm evaluated per micro-batch")
     return " + ".join(parts)
 
 
@@ -253,10 +273,11 @@ def run_frontier(cfg: dict, names: list[str], workers: int | None = None) -> dic
     workers = pq.default_workers(len(names)) if workers is None else min(workers, len(names))
     with tempfile.TemporaryDirectory(prefix="frontier_cache_") as cache:
         specs = [
-            {"name": n, "opts": CONFIGS[n], "cfg": cfg, "label": n, "cache": cache} for n in names
+            {"name": n, "opts": ALL_CONFIGS[n], "cfg": cfg, "label": n, "cache": cache}
+            for n in names
         ]
         outs = pq.run_workers(specs, workers, script=__file__, run_here=_in_process)
-    rows = [row(n, CONFIGS[n], cfg, out) for n, out in zip(names, outs, strict=True)]
+    rows = [row(n, ALL_CONFIGS[n], cfg, out) for n, out in zip(names, outs, strict=True)]
     result = {
         "config": cfg,
         "workers": workers,
@@ -346,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="frontier", help="file name of the JSON and plot")
     for field in ("train", "test", "epochs", "batch"):
         p.add_argument(f"--{field}", type=int, help=f"override the run's {field}")
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="a part of the grid")
+    p.add_argument("--configs", nargs="+", choices=list(ALL_CONFIGS), help="a part of the grid")
     p.add_argument("--workers", type=int, help="processes (default one per core)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run_workers's child
     args = p.parse_args(argv)

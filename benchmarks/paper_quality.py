@@ -28,6 +28,7 @@ best on the held-out ones kept (`paper_quality_lr.json`); no test image takes pa
 """
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -226,8 +227,9 @@ def init_state(name: str, seed: int, cfg: dict, step: Any, opts: dict | None = N
     key = jr.PRNGKey(seed)
     depth, width = opts.get("depth", cfg["depth"]), opts.get("width", cfg["width"])
     model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
-        depth, width, 10, key=key, in_channels=1, remat=opts["remat"]
-    )
+        depth, width, 10, key=key, in_channels=1, remat=opts["remat"],
+        norm=opts.get("norm", "batch"),
+    )  # fmt: skip
     if opts["density"] is not None:
         model = el.sparse.sparsify(
             model,
@@ -240,12 +242,20 @@ def init_state(name: str, seed: int, cfg: dict, step: Any, opts: dict | None = N
     return step.init(model, key=jr.fold_in(key, 2), model_state=state)
 
 
-def _predict(model, state, x):
+def _predict(model, state, x, micro_batch=None):
+    """Predicted classes: BatchNorm with its running statistics (`micro_batch` None), or
+    normalising each micro-batch of `micro_batch` images by its own statistics, as the
+    training step did (`el.nn.apply_with_batch_statistics`)."""
     import equinox as eqx
     import jax.numpy as jnp
 
+    import eqx_lowmem as el
+
     x = x.astype(model.stem.weight.dtype)  # 16-bit parameters (half_fp16) take 16-bit images
-    logits, _ = eqx.nn.inference_mode(model).batched(x, state)  # running statistics
+    if micro_batch is not None:
+        logits = el.nn.apply_with_batch_statistics(model, state, x, micro_batch=micro_batch)
+    else:
+        logits, _ = eqx.nn.inference_mode(model).batched(x, state)  # running statistics
     return jnp.argmax(logits, axis=-1)
 
 
@@ -273,7 +283,10 @@ def train_one(
     opts = _opts(name) if opts is None else opts
     step = make_config_step(name, cfg, precision, opts) if step is None else step
     ts = init_state(name, seed, cfg, step, opts)
-    predict = eqx.filter_jit(_predict)
+    if opts.get("eval_stats") == "micro_batch":  # BatchNorm evaluated as it trained
+        predict = functools.partial(_predict, micro_batch=cfg["batch"] // opts["accumulate"])
+    else:
+        predict = eqx.filter_jit(_predict)
     steps_per_epoch = len(x_train) // cfg["batch"]
     rng = np.random.default_rng(seed)
     curve, losses, skipped, step_s, t0 = [], [], 0, [], time.perf_counter()

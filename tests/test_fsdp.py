@@ -266,6 +266,28 @@ for name, kwargs in {
 """
 
 
+# The chunked LM loss (`next_token_loss(chunk=8)`: the head's weight sharded, read a
+# chunk at a time) under FSDP on 4 devices, against one device and the plain loss.
+CHUNKED = """
+import functools
+opt = optax.sgd(0.1, momentum=0.9)
+def train(step, chunk):
+    state = step.init(lm(), key=jr.PRNGKey(2))
+    for i in range(3):
+        state, _ = step(state, (tokens(seed=i),))
+    return params(state)
+def make(chunk, **sharding):
+    loss = functools.partial(el.train.next_token_loss, chunk=chunk)
+    return el.train.make_step(loss, opt, accumulate=4, **sharding)
+one = train(make(8), 8)
+four = train(make(8, mesh=mesh(4), shard="fsdp"), 8)
+plain = train(make(None), None)
+start = params(make(8).init(lm(), key=jr.PRNGKey(2)))
+diff = lambda xs, ys: max(float(np.max(np.abs(a - b))) for a, b in zip(xs, ys))
+result = {"fsdp": diff(one, four), "plain": diff(one, plain), "moved": diff(one, start)}
+"""
+
+
 def _run(bodies: dict) -> dict:
     """Each section's result, from one process with `DEVICES` host devices."""
     env = dict(os.environ)
@@ -295,6 +317,7 @@ def quick():
             "bad_input": BAD_INPUT,
             "small_trainer": SMALL_TRAINER,
             "report_explicit": REPORT_EXPLICIT,
+            "chunked": CHUNKED,
         }
     )
 
@@ -347,6 +370,12 @@ def test_fsdp_and_data_parallel_on_four_devices_equal_one_device(quick, shard):
     # One compilation for the five updates: init places the state typed as a step
     # returns it (on Explicit axes a second call compiled the step again).
     assert result["compiles"] == 1
+
+
+def test_the_chunked_lm_loss_under_fsdp_equals_one_device_and_the_plain_loss(quick):
+    result = _result(quick, "chunked")
+    assert result["moved"] > 1e-3
+    assert result["fsdp"] <= 1e-5 and result["plain"] <= 1e-5, result
 
 
 def test_the_trainer_with_fsdp_on_a_make_mesh_mesh(quick):

@@ -32,6 +32,7 @@ gets the whole-model form of each feature instead, with no error and no warning.
 """
 
 from ._attention import ATTENTIONS as ATTENTIONS, resolve_attention as resolve_attention
+from ._batch_eval import apply_with_batch_statistics as apply_with_batch_statistics
 from ._block import TransformerBlock as TransformerBlock
 from ._encoder import (
     TransformerEncoder as TransformerEncoder,
@@ -40,7 +41,7 @@ from ._encoder import (
 from ._fuse import FusionWarning as FusionWarning
 from ._lm import CausalLM as CausalLM
 from ._mlp import MLP as MLP, mlp as mlp
-from ._norm import BatchNorm as BatchNorm, LayerNorm as LayerNorm
+from ._norm import BatchNorm as BatchNorm, GroupNorm as GroupNorm, LayerNorm as LayerNorm
 from ._remat import (
     BLOCK_NAMES as BLOCK_NAMES,
     DOTS_NAMES as DOTS_NAMES,

@@ -22,6 +22,11 @@ class CausalLM(eqx.Module):
     embedding itself, without a bias (as GPT-2, nanoGPT and fairseq's shared decoder
     embeddings): `vocab_size * (d_model + 1)` fewer parameters, and with them their
     gradients and optimizer state.
+
+    `hidden_states` (the final LayerNorm's output) and `head_weights` (the head as
+    `(weight, bias)`) are what `eqx_lowmem.train.next_token_loss` reads to compute the loss
+    one vocabulary chunk at a time, never holding the whole logits (its default above a
+    2,048-token vocabulary).
     """
 
     embed: Array  # (vocab, d_model)
@@ -90,7 +95,8 @@ class CausalLM(eqx.Module):
     def __call__(
         self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "seq vocab"]:
-        """Logits of the next token at every position of one sequence.
+        """Logits of the next token at every position of one sequence:
+        `hidden_states(tokens) @ weight.T (+ bias)` with `(weight, bias) = head_weights()`.
 
         Args:
             tokens: token ids, `(seq,)` with `seq <= max_seq`, each in `[0, vocab_size)`.
@@ -103,6 +109,29 @@ class CausalLM(eqx.Module):
                 NaN instead, and `jax.experimental.checkify.checkify(...,
                 errors=checkify.index_checks)` reports it. The Trainer checks every batch on
                 the host first.
+        """
+        x = self.hidden_states(tokens, key=key)
+        weight, bias = self.head_weights()
+        logits = x @ weight.T
+        return logits if bias is None else logits + bias[None, :]
+
+    def head_weights(self) -> tuple[Float[Array, "vocab d_model"], Float[Array, " vocab"] | None]:
+        """The head as `(weight, bias)`: the token embedding and None when tied.
+
+        With `hidden_states`, what `eqx_lowmem.train.next_token_loss` needs to compute the
+        loss a vocabulary chunk at a time (`chunked_cross_entropy`) without the whole
+        logits; a model of your own that defines both methods gets the same."""
+        if self.head is None:
+            return self.embed, None
+        return self.head.weight, self.head.bias
+
+    @jax.named_scope("eqx_lowmem.nn.CausalLM.hidden_states")
+    def hidden_states(
+        self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "seq d_model"]:
+        """The final LayerNorm's output at every position, the states the head reads.
+
+        Args and Raises: as `__call__`.
         """
         if tokens.ndim != 1 or tokens.shape[0] > self.max_seq:
             raise ValueError(
@@ -126,9 +155,4 @@ class CausalLM(eqx.Module):
         )
         x = embedded + self.pos[:seq]  # (seq, d_model)
         x = self.encoder(x, key=key)
-        x = self.ln_f(x)
-        if self.head is None:
-            return x @ self.embed.T
-        logits = x @ self.head.weight.T
-        assert self.head.bias is not None
-        return logits + self.head.bias[None, :]
+        return self.ln_f(x)

@@ -282,3 +282,107 @@ class BatchNorm(eqx.Module):
             relu,
         )
         return y, new_stats
+
+
+def _per_group(v: Array, groups: int) -> Array:
+    """The mean of a per-channel vector over each group's channels, back per channel."""
+    g = jnp.mean(v.reshape(groups, -1), axis=1, keepdims=True)
+    return jnp.broadcast_to(g, (groups, v.shape[0] // groups)).reshape(-1)
+
+
+class GroupNorm(eqx.Module):
+    """Group normalisation (Wu and He, 2018) of one example's channels (axis 0), in float32
+    whatever the dtype: the channels split into `groups` groups, each normalised by its own
+    mean and variance over its channels and every spatial position, then a per-channel
+    scale and shift.
+
+    Unlike `BatchNorm`, nothing depends on the other examples: the same output for a
+    micro-batch of one image as for a batch of 256, so accumulation over any number of
+    micro-batches is exact, training and evaluation normalise alike, and there is no state.
+    `__call__(x, stats, relu=...)` accepts and returns a state anyway (unchanged), so it
+    stands in for `BatchNorm` in a stateful block (`WideResNet(norm="group")`); called
+    without one it returns the output alone, for any `eqx_lowmem.nn.stack` block.
+
+    Memory: as `BatchNorm`, the backward pass keeps only the input and recomputes the
+    normalised values (and the ReLU's mask). Time: two reductions over the example.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> gn = GroupNorm(2, 4)
+        >>> y = gn(jnp.arange(32.0).reshape(4, 8))  # (channels, width)
+        >>> [round(float(v), 4) for v in y.reshape(2, -1).mean(axis=1)]
+        [0.0, 0.0]
+    """
+
+    weight: Array
+    bias: Array
+    groups: int = eqx.field(static=True)
+    channels: int = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, groups: int, channels: int, *, eps: float = 1e-5):
+        """Args:
+        groups: number of groups; must divide `channels` (Wu and He's default is 32;
+            `groups=channels` is instance normalisation, `groups=1` layer normalisation
+            over channels and positions).
+        channels: size of axis 0 of an example.
+        eps: added to the variance.
+
+        Raises:
+            ValueError: for `groups` or `channels` not a positive int, or `groups` that
+                does not divide `channels`.
+        """
+        for name, value in (("groups", groups), ("channels", channels)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GroupNorm: {name} must be a positive int, got {value!r}.")
+        if channels % groups:
+            divisors = [d for d in range(1, channels + 1) if channels % d == 0]
+            raise ValueError(
+                f"GroupNorm: groups must divide channels={channels}, got groups={groups}; "
+                f"use one of {divisors}."
+            )
+        self.weight = jnp.ones((channels,), jnp.float32)
+        self.bias = jnp.zeros((channels,), jnp.float32)
+        self.groups = groups
+        self.channels = channels
+        self.eps = eps
+
+    def init_stats(self) -> tuple[()]:
+        """No state: an empty tuple, to stand in for `BatchNorm.init_stats`."""
+        return ()
+
+    @jax.named_scope("eqx_lowmem.nn.GroupNorm")
+    def __call__(self, x: Float[Array, "channels ..."], stats=None, *, relu: bool = False):
+        """Normalise one example (then apply a ReLU if `relu`).
+
+        Returns:
+            The output (the input's dtype); with `stats` given, `(output, stats)`.
+        """
+        if x.ndim < 1 or x.shape[0] != self.channels:
+            raise ValueError(
+                f"GroupNorm({self.groups}, {self.channels}) expects one example with "
+                f"{self.channels} channels on axis 0, got shape {x.shape}; jax.vmap over the "
+                "batch."
+            )
+        axes = tuple(range(1, x.ndim))
+        # Shifted per-channel moments averaged over each group (equal-sized channels): the
+        # group's mean and variance, as accurate as a two-pass variance.
+        shift = jax.lax.stop_gradient(
+            _per_group(jnp.mean(x.astype(jnp.float32), axis=axes), self.groups)
+        )
+        m1, m2 = _moments(x, shift)
+        m1, m2 = _per_group(m1, self.groups), _per_group(m2, self.groups)
+        rstd = jax.lax.rsqrt(jnp.maximum(m2 - jnp.square(m1), 0.0) + self.eps)
+        weight, bias = self.weight.astype(jnp.float32), self.bias.astype(jnp.float32)
+        y = _normalise(x, shift + m1, rstd, weight, bias, relu)
+        return y if stats is None else (y, stats)
+
+
+def standardise_weight(w: Array, eps: float = 1e-5) -> Array:
+    """Weight Standardization (Qiao et al., 2019): each output channel's weights (axis 0)
+    less their mean, over their standard deviation, computed in float32 in `w`'s dtype."""
+    w32 = w.astype(jnp.float32)
+    axes = tuple(range(1, w.ndim))
+    mean = jnp.mean(w32, axis=axes, keepdims=True)
+    var = jnp.mean(jnp.square(w32 - mean), axis=axes, keepdims=True)
+    return ((w32 - mean) * jax.lax.rsqrt(var + eps)).astype(w.dtype)

@@ -15,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._conv import conv2d
-from ._norm import BatchNorm, BatchStats
+from ._norm import BatchNorm, BatchStats, GroupNorm, standardise_weight
 from ._remat import (
     PRESETS,
     Remat,
@@ -26,7 +26,22 @@ from ._remat import (
 )
 from ._stack import Stack, stack
 
-BlockState: TypeAlias = dict[str, BatchStats]
+NormState: TypeAlias = BatchStats | tuple[()]  # GroupNorm: empty
+BlockState: TypeAlias = dict[str, NormState]
+NORMS = ("batch", "group", "group_ws")
+Norm: TypeAlias = BatchNorm | GroupNorm
+
+
+def _make_norm(norm: str, channels: int, groups: int) -> Norm:
+    return BatchNorm(channels) if norm == "batch" else GroupNorm(groups, channels)
+
+
+def _conv_ws(layer: Any, ws: bool, x: Array) -> Array:
+    """`conv2d(layer, x)`, with Weight Standardization of a dense `eqx.nn.Conv2d`'s weight
+    when `ws` (a sparse convolution keeps its weights as they are)."""
+    if ws and isinstance(layer, eqx.nn.Conv2d):
+        layer = eqx.tree_at(lambda c: c.weight, layer, standardise_weight(layer.weight))
+    return conv2d(layer, x)
 
 
 def _conv(c_in: int, c_out: int, size: int, stride: int, key: PRNGKeyArray) -> eqx.nn.Conv2d:
@@ -42,7 +57,7 @@ def _conv(c_in: int, c_out: int, size: int, stride: int, key: PRNGKeyArray) -> e
     return eqx.tree_at(lambda c: c.weight, conv, weight)
 
 
-def _bn_relu(bn: BatchNorm, x: Array, stats: BatchStats) -> tuple[Array, BatchStats]:
+def _bn_relu(bn: Norm, x: Array, stats: NormState) -> tuple[Array, NormState]:
     return bn(x, stats, relu=True)
 
 
@@ -60,6 +75,10 @@ class WideBlock(eqx.Module):
     `"minimal"` keeps `conv1` only (the block's input is kept anyway): with it the backward
     pass recomputes no convolution, only element-wise work, for two activation-sized
     tensors per block instead of four.
+
+    `norm="group"` puts `GroupNorm(groups, channels)` where the BatchNorms are (their state
+    is then empty), `"group_ws"` also standardises the convolutions' weights (Qiao et al.,
+    2019).
     """
 
     checkpoint_names: ClassVar[tuple[str, ...]] = ("act1", "conv1", "act2", "conv2")
@@ -68,20 +87,30 @@ class WideBlock(eqx.Module):
         "minimal": ("conv1",),
     }
 
-    bn1: BatchNorm
+    bn1: Norm
     conv1: Any  # eqx.nn.Conv2d, or a sparse convolution after eqx_lowmem.sparse.sparsify
-    bn2: BatchNorm
+    bn2: Norm
     conv2: Any
     shortcut: Any  # a 1x1 eqx.nn.Conv2d, or None for the identity
     in_channels: int = eqx.field(static=True)
     out_channels: int = eqx.field(static=True)
     stride: int = eqx.field(static=True)
+    ws: bool = eqx.field(static=True)
 
-    def __init__(self, in_channels: int, out_channels: int, stride: int, *, key: PRNGKeyArray):
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        stride: int,
+        *,
+        key: PRNGKeyArray,
+        norm: str = "batch",
+        groups: int = 8,
+    ):
         k1, k2, k3 = jr.split(key, 3)
-        self.bn1 = BatchNorm(in_channels)
+        self.bn1 = _make_norm(norm, in_channels, groups)
         self.conv1 = _conv(in_channels, out_channels, 3, stride, k1)
-        self.bn2 = BatchNorm(out_channels)
+        self.bn2 = _make_norm(norm, out_channels, groups)
         self.conv2 = _conv(out_channels, out_channels, 3, 1, k2)
         if in_channels == out_channels and stride == 1:
             self.shortcut = None
@@ -90,9 +119,10 @@ class WideBlock(eqx.Module):
         self.in_channels = in_channels
         self.out_channels = out_channels
         self.stride = stride
+        self.ws = norm == "group_ws"
 
     def init_state(self) -> BlockState:
-        """Both BatchNorms' running statistics before training."""
+        """Both BatchNorms' running statistics before training (GroupNorm: empty)."""
         return {"bn1": self.bn1.init_stats(), "bn2": self.bn2.init_stats()}
 
     @jax.named_scope("eqx_lowmem.nn.WideBlock")
@@ -106,10 +136,10 @@ class WideBlock(eqx.Module):
         del key  # no dropout: the paper's and the DSR authors' WRN-28-2 use none
         a, s1 = _bn_relu(self.bn1, x, state["bn1"])
         a = checkpoint_name(a, "act1")
-        h = checkpoint_name(conv2d(self.conv1, a), "conv1")
+        h = checkpoint_name(_conv_ws(self.conv1, self.ws, a), "conv1")
         h, s2 = _bn_relu(self.bn2, h, state["bn2"])
-        h = checkpoint_name(conv2d(self.conv2, checkpoint_name(h, "act2")), "conv2")
-        skip = x if self.shortcut is None else conv2d(self.shortcut, a)
+        h = checkpoint_name(_conv_ws(self.conv2, self.ws, checkpoint_name(h, "act2")), "conv2")
+        skip = x if self.shortcut is None else _conv_ws(self.shortcut, self.ws, a)
         return skip + h, {"bn1": s1, "bn2": s2}
 
 
@@ -149,6 +179,10 @@ class WideResNet(eqx.Module):
     `make_step(..., accumulate=k)` those of each micro-batch, and the running statistics
     update once per micro-batch. Evaluation: `eqx.nn.inference_mode(model)` switches every
     BatchNorm to its running statistics (the state is then returned unchanged).
+    `eqx_lowmem.nn.apply_with_batch_statistics(model, state, x, micro_batch=m)` evaluates
+    instead as training normalised (each micro-batch of `m` by its own statistics), the
+    choice for models trained on micro-batches of one or two images. `norm="group"`
+    (GroupNorm, optionally with Weight Standardization) has no batch statistics at all.
 
     Recomputation, `remat=`:
 
@@ -177,7 +211,7 @@ class WideResNet(eqx.Module):
     stem: eqx.nn.Conv2d
     firsts: tuple[WideBlock, ...]
     rests: tuple[Stack | None, ...]
-    bn: BatchNorm
+    bn: Norm
     head: eqx.nn.Linear
     first_index: tuple[eqx.nn.StateIndex, ...]
     rest_index: tuple[eqx.nn.StateIndex | None, ...]
@@ -188,6 +222,7 @@ class WideResNet(eqx.Module):
     in_channels: int = eqx.field(static=True)
     remat: Remat | str = eqx.field(static=True)
     segment: int | None = eqx.field(static=True)
+    norm: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -199,6 +234,8 @@ class WideResNet(eqx.Module):
         in_channels: int = 3,
         remat: bool | str | Save = False,
         scan: bool = True,
+        norm: str = "batch",
+        groups: int = 8,
     ):
         """Args:
         depth: 6n + 4 for n >= 1 blocks per group (10, 16, 22, 28, ...).
@@ -209,7 +246,19 @@ class WideResNet(eqx.Module):
         remat: recomputation (above).
         scan: run each group's identical blocks with `lax.scan` (`False`: a Python loop,
             the same numbers; recomputation then may not save memory).
+        norm: `"batch"` (BatchNorm, the paper's), `"group"` (`GroupNorm(groups, c)` in
+            every BatchNorm's place: no state, nothing shared across the batch, so the same
+            numbers at any micro-batch size; two reductions per normalisation, as
+            BatchNorm's) or `"group_ws"` (GroupNorm and Weight Standardization of every
+            dense convolution, Qiao et al. 2019: one pass over each weight per step).
+        groups: GroupNorm's groups; must divide every width (16, 16k, 32k and 64k).
+
+        Raises:
+            ValueError: for a bad depth, width, class count, channel count, remat, norm,
+                or groups that do not divide a width.
         """
+        if norm not in NORMS:
+            raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
         for name, value in (("width", width), ("n_classes", n_classes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}.")
@@ -228,12 +277,14 @@ class WideResNet(eqx.Module):
         c_in = 16
         for g, (c_out, stride) in enumerate(((16 * width, 1), (32 * width, 2), (64 * width, 2))):
             first_key, rest_key = jr.split(group_keys[g])
-            first = WideBlock(c_in, c_out, stride, key=first_key)
+            first = WideBlock(c_in, c_out, stride, key=first_key, norm=norm, groups=groups)
             firsts.append(first)
             first_index.append(eqx.nn.StateIndex(first.init_state()))
             if n > 1:
                 rest, states = stack(
-                    lambda k, c=c_out: _with_state(WideBlock(c, c, 1, key=k)),
+                    lambda k, c=c_out: _with_state(
+                        WideBlock(c, c, 1, key=k, norm=norm, groups=groups)
+                    ),
                     n - 1,
                     key=rest_key,
                     remat=block_remat,
@@ -251,7 +302,7 @@ class WideResNet(eqx.Module):
         self.rests = tuple(rests)
         self.first_index = tuple(first_index)
         self.rest_index = tuple(rest_index)
-        self.bn = BatchNorm(c_in)
+        self.bn = _make_norm(norm, c_in, groups)
         self.bn_index = eqx.nn.StateIndex(self.bn.init_stats())
         head = eqx.nn.Linear(c_in, n_classes, key=head_key)
         self.head = eqx.tree_at(lambda h: h.bias, head, jnp.zeros((n_classes,), jnp.float32))
@@ -261,6 +312,7 @@ class WideResNet(eqx.Module):
         self.in_channels = in_channels
         self.remat = remat if segment is not None else block_remat
         self.segment = segment
+        self.norm = norm
 
     def _first(
         self, block: WideBlock, x: Array, state: BlockState, each: Callable
@@ -306,7 +358,8 @@ class WideResNet(eqx.Module):
             each = functools.partial(
                 jax.vmap, axis_name=axis_name, in_axes=(0, None), out_axes=(0, None)
             )
-        h, _ = each(lambda x, s: (conv2d(self.stem, x), s))(x, None)
+        ws = self.norm == "group_ws"
+        h, _ = each(lambda x, s: (_conv_ws(self.stem, ws, x), s))(x, None)
         for first, rest, fi, ri in zip(
             self.firsts, self.rests, self.first_index, self.rest_index, strict=True
         ):

@@ -9,6 +9,7 @@ from ._checkpoint import (
     read_meta as read_meta,
     save_checkpoint as save_checkpoint,
 )
+from ._chunked import chunked_cross_entropy as chunked_cross_entropy
 from ._lock import DirectoryLockedError as DirectoryLockedError, lock_directory as lock_directory
 from ._loss import LossOutput as LossOutput, call_loss as call_loss, mean_loss as mean_loss
 from ._losses import (

@@ -8,7 +8,7 @@ padding tokens). Every loss here computes in float32.
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -18,6 +18,7 @@ import numpy as np
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .._checks import ids_outside
+from ._chunked import DEFAULT_CHUNK, check_chunk, chunked_cross_entropy
 
 
 def _apply(model, x: Array, key: PRNGKeyArray | None) -> Array:
@@ -85,22 +86,41 @@ def next_token_loss(
     mask: Array | None = None,
     *,
     key=None,
+    chunk: int | None | Literal["auto"] = "auto",
 ) -> tuple[Float[Array, "batch seq_minus_1"], Float[Array, "batch seq_minus_1"]]:
     """Cross-entropy of each next token of a causal language model (`eqx_lowmem.nn.CausalLM`).
+
+    Two paths, the same losses (to 1e-5, gradients to 1e-4 in float32):
+
+    - Chunked (`chunked_cross_entropy`): for a model with `hidden_states(tokens, *, key)`
+      (`(seq, d_model)`) and `head_weights()` (`(weight (vocab, d_model), bias or None)`),
+      as `CausalLM` has. The head runs one chunk of `chunk` vocabulary entries at a time
+      and the whole `(batch, seq, vocab)` logits are never held, forward or backward.
+    - Plain: `jax.vmap(model)` gives the whole logits, then a float32 log-softmax; both
+      are kept for the backward pass (two `batch * seq * vocab` float32 arrays).
+
+    `chunk="auto"` (the default) takes the chunked path, chunks of 2,048, when the model
+    has both methods and its vocabulary is larger than 2,048 (at most one chunk would save
+    nothing), else the plain path; `chunk=None` always the plain path; an int the chunked
+    path with that chunk (the model must have both methods).
 
     Args:
         model: maps one sequence of token ids to `(seq, vocab)` logits.
         tokens: `(batch, seq)` token ids; position `t` predicts `tokens[:, t + 1]`.
         mask: optional `(batch, seq)`; 0 marks padding, which is not predicted.
+        key: PRNG key for dropout, or None.
+        chunk: `"auto"`, None or a vocabulary chunk size in `[1, vocab]` (above).
 
     Returns:
         `(losses, weights)` per predicted token, so the step averages over real tokens.
 
     Raises:
         ValueError: for tokens that are not `(batch, seq)` integers, a mask of another
-            shape, or (outside `jit`, where the values are known) a token id outside
-            `[0, vocab)`. Traced, such an id's loss is NaN (never a clamped or wrapped id;
-            masked positions excepted), which `checkify.index_checks` reports.
+            shape, a `chunk` outside `[1, vocab]` (or given for a model without
+            `hidden_states` and `head_weights`), or (outside `jit`, where the values are
+            known) a token id outside `[0, vocab)`. Traced, such an id's loss is NaN (never
+            a clamped or wrapped id; masked positions excepted), which
+            `checkify.index_checks` reports.
     """
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(
@@ -111,20 +131,64 @@ def next_token_loss(
         raise ValueError(
             f"next_token_loss: mask has shape {mask.shape}, expected the tokens' {tokens.shape}."
         )
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits = _apply(model, inputs, key).astype(jnp.float32)  # (batch, seq - 1, vocab)
-    if logits.shape[:2] != targets.shape:
-        raise ValueError(
-            f"next_token_loss: the model maps {inputs.shape[1]} tokens to logits of shape "
-            f"{logits.shape[1:]}; expected (seq, vocab) = ({inputs.shape[1]}, vocab)."
-        )
-    _refuse_ids("next_token_loss", "tokens", tokens, logits.shape[-1], "token ids")
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -_pick(logp, targets)
+    head = _chunked_head(model, chunk)
+    if head is None:
+        nll = _plain_nll(model, tokens, key)
+    else:
+        nll = _chunked_nll(model, head, tokens, key, chunk)
     if mask is None:
         return nll, jnp.ones_like(nll)
     weights = mask[:, 1:].astype(jnp.float32)
     return jnp.where(weights > 0, nll, 0.0), weights  # a masked target never matters
+
+
+def _chunked_head(model, chunk) -> tuple[Array, Array | None] | None:
+    """The model's `(weight, bias)` when `chunk` asks for the chunked path, else None."""
+    exposes = hasattr(model, "hidden_states") and hasattr(model, "head_weights")
+    if chunk is None:
+        return None
+    if isinstance(chunk, str) and chunk == "auto":
+        if not exposes:
+            return None
+        head = model.head_weights()
+        return head if head[0].shape[0] > DEFAULT_CHUNK else None
+    if not exposes:
+        raise ValueError(
+            f"next_token_loss: chunk={chunk!r} needs a model with hidden_states(tokens, *, "
+            f"key) and head_weights() (as eqx_lowmem.nn.CausalLM); got a "
+            f"{type(model).__name__}. Pass chunk=None (or 'auto') for the plain path."
+        )
+    return model.head_weights()
+
+
+def _plain_nll(model, tokens: Array, key) -> Array:
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits = _apply(model, inputs, key).astype(jnp.float32)  # (batch, seq - 1, vocab)
+    _check_lm_shape(inputs, targets, logits.shape)
+    _refuse_ids("next_token_loss", "tokens", tokens, logits.shape[-1], "token ids")
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -_pick(logp, targets)
+
+
+def _chunked_nll(model, head, tokens: Array, key, chunk) -> Array:
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    weight, bias = head
+    vocab = weight.shape[0]
+    size = check_chunk(DEFAULT_CHUNK if chunk == "auto" else chunk, vocab)
+    _refuse_ids("next_token_loss", "tokens", tokens, vocab, "token ids")
+    hidden = _apply(model.hidden_states, inputs, key)  # (batch, seq - 1, d_model)
+    _check_lm_shape(inputs, targets, hidden.shape[:2] + (vocab,))
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    nll = chunked_cross_entropy(flat, weight, targets.reshape(-1), head_bias=bias, chunk=size)
+    return nll.reshape(targets.shape)
+
+
+def _check_lm_shape(inputs: Array, targets: Array, shape: tuple[int, ...]) -> None:
+    if tuple(shape[:2]) != targets.shape:
+        raise ValueError(
+            f"next_token_loss: the model maps {inputs.shape[1]} tokens to logits of shape "
+            f"{tuple(shape[1:])}; expected (seq, vocab) = ({inputs.shape[1]}, vocab)."
+        )
 
 
 def _pick(logp: Array, ids: Array) -> Array:
