@@ -419,13 +419,20 @@ def _table(rows: dict, baseline: str, paper_baseline_mb: float | None) -> list[s
     return lines
 
 
-def run_memory(quick: bool) -> dict:
+def run_memory(quick: bool, kinds: tuple[str, ...] = ("wrn", "transformer"),
+               prior: dict | None = None) -> dict:  # fmt: skip
+    """Every row of `kinds` compiled again; the other kinds' rows (and the step times,
+    unless "wrn" is among `kinds`) kept from `prior`, an earlier run's JSON."""
     out: dict[str, Any] = {"wrn": {}, "transformer": {}}
     wrn_cfg = WRN_QUICK if quick else WRN
     tr_cfg = TRANSFORMER_QUICK if quick else TRANSFORMER
     jobs = [("wrn", r, wrn_cfg) for r in WRN_ROWS] + [
         ("transformer", r, tr_cfg) for r in TRANSFORMER_ROWS
     ]
+    for kind in ("wrn", "transformer"):
+        if kind not in kinds:
+            out[kind] = dict(prior[kind]) if prior else {}
+    jobs = [job for job in jobs if job[0] in kinds]
     for kind, row, cfg in jobs:
         try:
             out[kind][row] = spawn(__file__, {"kind": kind, "row": row, "cfg": cfg}, timeout=3600)
@@ -434,9 +441,9 @@ def run_memory(quick: bool) -> dict:
         r = out[kind][row]
         print(row, {k: r.get(k) for k in ("total", "sum_of_parts", "error")}, flush=True)
     wrn, tr = out["wrn"], out["transformer"]
-    out["step_time"] = {}
+    out["step_time"] = {} if "wrn" in kinds or not prior else dict(prior["step_time"])
     timed_cfg = WRN_QUICK if quick else WRN_TIMED
-    for row in TIMED:
+    for row in TIMED if "wrn" in kinds else ():
         try:
             out["step_time"][row] = spawn(__file__, {"kind": "time", "row": row,
                                                      "cfg": timed_cfg}, timeout=3600)  # fmt: skip
@@ -575,6 +582,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", action="store_true", help="memory tables (the default)")
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test")
     p.add_argument("--out", default=str(RESULTS), help="directory for the JSON and plots")
+    p.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=("wrn", "transformer"),
+        default=("wrn", "transformer"),
+        help="compile these tables' rows again, keeping the others from the JSON in --out",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -584,7 +598,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.out)
     suffix = "_quick" if args.quick else ""
-    result = run_memory(args.quick)
+    prior = None
+    if set(args.kinds) != {"wrn", "transformer"}:
+        prior = json.loads((out / f"paper{suffix}.json").read_text())
+    result = run_memory(args.quick, tuple(args.kinds), prior)
     print("\n".join(result["table_wrn"]))
     print("\n".join(result["table_transformer"]))
     print(json.dumps(result["goals"], indent=1))
