@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import paper_quality as pq  # noqa: E402
-from _common import RESULTS, compiled_memory, pinned_worker, write_json  # noqa: E402
+from _common import RESULTS, compiled_memory, environment, pinned_worker, write_json  # noqa: E402
 
 _START = time.perf_counter()
 MB = 1e6
@@ -360,6 +360,40 @@ def _place_labels(ax, labels: dict[tuple[float, float], list[str]]) -> None:
                     arrowprops=None if dy == 3.0 else {"arrowstyle": "-", "lw": 0.4})  # fmt: skip
 
 
+def gpu_peaks(name: str, target: str, directory: Path) -> dict:
+    """Every row of `<name>.json` compiled again for a compile-only GPU `target` (nothing
+    trained): its step on the GPU's devices at the run's batch, `memory_analysis()`'s peak
+    as `<target>_peak_bytes` beside the XLA:CPU one (sparse rows without DSR's rewiring
+    hook, whose host callback compiles only where it runs), the JSON rewritten in place."""
+    import equinox as eqx
+    import jax
+
+    import eqx_lowmem as el
+    from eqx_lowmem._io import write_json as atomic_write_json
+
+    path = directory / f"{name}.json"
+    result = json.loads(path.read_text())
+    cfg = result["config"]
+    gpu = el.memory.Target(target)
+    mesh = gpu.mesh((1,), ("data",))
+    (x, y), _ = pq.load_data(cfg)
+    batch = tuple(jax.ShapeDtypeStruct((cfg["batch"], *a.shape[1:]), a.dtype) for a in (x, y))
+    for r in result["rows"]:
+        # Without DSR's rewiring hook: its host callback (a placement count) compiles only
+        # for a backend this process runs, not for a compile-only target.
+        opts = {**r["opts"], "rewire": False}
+        step = pq.make_config_step(r["config"], cfg, opts=opts, mesh=mesh)
+        state = eqx.filter_eval_shape(
+            lambda name, opts, step: pq.init_state(name, cfg["seeds"][0], cfg, step, opts),
+            r["config"], opts, step,
+        )  # fmt: skip
+        r[f"{target}_peak_bytes"] = compiled_memory(step.lower(state, batch).compile())["peak"]
+        print(r["config"], r["compiled_peak_bytes"], r[f"{target}_peak_bytes"], flush=True)
+    result["gpu_target"] = {"name": target, "device": gpu.description, **environment()}
+    atomic_write_json(path, result)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, 3 configurations")
@@ -369,8 +403,17 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{field}", type=int, help=f"override the run's {field}")
     p.add_argument("--configs", nargs="+", choices=list(ALL_CONFIGS), help="a part of the grid")
     p.add_argument("--workers", type=int, help="processes (default one per core)")
+    p.add_argument(
+        "--gpu-peaks",
+        metavar="TARGET",
+        help="compile every row of --name's JSON for this compile-only GPU (e.g. h100) and "
+        "add its peak to the JSON; trains nothing",
+    )
     p.add_argument("--worker", help=argparse.SUPPRESS)  # internal: run_workers's child
     args = p.parse_args(argv)
+    if args.gpu_peaks:
+        gpu_peaks(args.name, args.gpu_peaks, Path(args.out))
+        return 0
     if args.worker is not None:
         return pinned_worker(args.worker, train_config)
     if args.workers is not None and args.workers < 1:

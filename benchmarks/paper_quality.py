@@ -185,11 +185,12 @@ def total_steps(cfg: dict) -> int:
 
 
 def make_config_step(
-    name: str, cfg: dict, precision: str | None = None, opts: dict | None = None
+    name: str, cfg: dict, precision: str | None = None, opts: dict | None = None, mesh=None
 ) -> Any:
     """The training step of one configuration (`precision` overrides its own; `opts` are
-    its settings when `name` is not one of this script's). One step serves every seed: the
-    same architecture compiles once."""
+    its settings when `name` is not one of this script's; `mesh` places it, e.g. on a
+    compile-only GPU target's devices). One step serves every seed: the same architecture
+    compiles once."""
     import jax.numpy as jnp
     import optax
 
@@ -211,6 +212,7 @@ def make_config_step(
         precision=precision or opts["precision"],
         accumulate_dtype=jnp.dtype(opts.get("accumulate_dtype", "float32")),
         after_update=after_update,
+        mesh=mesh,
     )
 
 

@@ -721,7 +721,10 @@ def frontier() -> str:
         f"{updates} updates of {cfg['batch']} images ({cfg['train']:,} training images, "
         f"{cfg['epochs']} epoch) with seeds {' and '.join(str(s) for s in cfg['seeds'])} "
         f"and tested on {cfg['test']:,} images; the compiled peak is `memory_analysis()` of "
-        f"its training step at batch {cfg['batch']}. {len(rows)} configurations, the whole "
+        f"its training step at batch {cfg['batch']}; the H100 column is the same step "
+        f"compiled for an H100 (a compile-only target, `frontier.py --gpu-peaks h100`, "
+        f"{d['gpu_target']['date'][:10]}; sparse rows without DSR's rewiring hook, whose "
+        f"host callback compiles only where it runs). {len(rows)} configurations, the whole "
         f"run {d['wall_seconds'] / 60:.0f} minutes on {d['workers']} cores. Rows on the "
         f"Pareto front (no smaller configuration is as accurate) are marked."
     )
@@ -737,14 +740,15 @@ def frontier() -> str:
 def _frontier_rows(rows: list[dict], front: set[str]) -> list[str]:
     """The frontier's rows as a Markdown table, in order of compiled peak."""
     table = [
-        "| configuration | uses | compiled MB | test accuracy | spread (2 seeds) "
+        "| configuration | uses | compiled MB | H100 MB | test accuracy | spread (2 seeds) "
         "| s / update | front |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         step = "" if r["step_s"] is None else f"{r['step_s']:.2f}"
+        gpu = f"{r['h100_peak_bytes'] / MB:.1f}" if "h100_peak_bytes" in r else ""
         table.append(
-            f"| `{r['config']}` | {r['uses']} | {r['compiled_peak_bytes'] / MB:.1f} "
+            f"| `{r['config']}` | {r['uses']} | {r['compiled_peak_bytes'] / MB:.1f} | {gpu} "
             f"| {100 * r['test_accuracy']:.2f}% | {100 * r['test_accuracy_spread']:.2f} "
             f"| {step} | {'yes' if r['config'] in front else ''} |"
         )
