@@ -630,8 +630,7 @@ def _paper_gpu_goals(r: dict) -> str:
         f"{name.upper()} columns. The paper measured on GPUs, so its goals are judged there: "
         + unmet(
             g["wrn_baseline_within_2pct_of_404.8"],
-            f"the FP32 baseline within 2% of the paper's 404.8 MB "
-            f"({g['wrn_baseline_mb']:.1f} MB)",
+            f"the FP32 baseline within 2% of the paper's 404.8 MB ({g['wrn_baseline_mb']:.1f} MB)",
         )
         + "; "
         + unmet(
