@@ -389,7 +389,7 @@ def gpu_peaks(name: str, target: str, directory: Path) -> dict:
         )  # fmt: skip
         r[f"{target}_peak_bytes"] = compiled_memory(step.lower(state, batch).compile())["peak"]
         print(r["config"], r["compiled_peak_bytes"], r[f"{target}_peak_bytes"], flush=True)
-    result["gpu_target"] = {"name": target, "device": gpu.description, **environment()}
+    result["gpu_target"] = {**environment(), "name": target, "target_device": gpu.description}
     atomic_write_json(path, result)
     return result
 
