@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -83,3 +84,15 @@ def users_env(env=None) -> dict:
     env = dict(os.environ if env is None else env)
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if f != SUITE_ONLY_FLAG)
     return env
+
+
+_NATIVE_LOG = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\)|[IWEF]\d{4} )"
+)
+
+
+def own_lines(stderr: str) -> list[str]:
+    """The lines of a child's stderr less native libraries' own log lines (absl's: JAX's
+    CUDA plugin, installed by the gpu-plan extra, logs at start that this machine has no
+    CUDA driver, even with JAX_PLATFORMS=cpu)."""
+    return [line for line in stderr.strip().splitlines() if not _NATIVE_LOG.match(line)]

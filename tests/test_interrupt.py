@@ -21,6 +21,8 @@ import pytest
 
 import eqx_lowmem as el
 
+from .helpers import own_lines
+
 ROOT = Path(__file__).parent.parent
 EPOCHS = 3  # 32 samples, micro-batches of 4, accumulate 2: 4 updates an epoch, 12 in all
 
@@ -217,7 +219,7 @@ def test_a_stop_signal_saves_and_exits_with_one_line_then_resumes(
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, (out, err)
-    lines = err.strip().splitlines()
+    lines = own_lines(err)
     assert len(lines) == 1 and "Traceback" not in err, err
     stopped = int(lines[0].split(" at update ")[1].split(";")[0])
     assert lines[0] == f"{how} at update {stopped}; run again to resume"
