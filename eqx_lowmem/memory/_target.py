@@ -10,6 +10,7 @@ exactly as on the device, so the compiled peak is the GPU's. `TEXT` is a
 import contextlib
 import dataclasses
 import difflib
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -206,7 +207,7 @@ class Target:
 
     # -- what it is ------------------------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def _spec(self) -> _Gpu | _Tpu | str | None:
         """The GPU's facts, a TPU's, a config file's text, or None for this process's
         device."""
