@@ -389,7 +389,9 @@ class Step:
             "grad_norm": mean.norm,
             "finite": mean.finite,
             "loss_scale": scale,
-            "params_finite": all_finite(eqx.filter(new.model, eqx.is_inexact_array)),
+            "params_finite": all_finite(
+                eqx.filter(new.model, eqx.is_inexact_array), chunked=c.mesh is None
+            ),
         }
         return new, metrics
 

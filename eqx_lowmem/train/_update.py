@@ -184,20 +184,26 @@ def select(finite: Bool[Array, ""], new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o) if eqx.is_array(n) else n, new, old)
 
 
-def all_finite(tree: Any) -> Bool[Array, ""]:
+def all_finite(tree: Any, *, chunked: bool = True) -> Bool[Array, ""]:
     """Whether every floating entry of `tree`'s arrays is finite (no NaN, no inf).
 
     The step checks its new parameters with it, after the update and any `after_update`
     hook: a NaN learning rate, `optax.adam(eps=0)` on a parameter with no gradient (0/0),
-    or a hook can make them non-finite from a finite gradient. Time: one read of each
-    parameter, which XLA fuses into the update that writes it; memory: a scalar per leaf
-    (the parameters are stored anyway).
+    or a hook can make them non-finite from a finite gradient. `x * 0` is 0 for a finite
+    `x` and NaN otherwise, so the sum of the products is exactly 0 or NaN (it never
+    overflows). Summed `chunked` as the gradient's norm is (`mean_gradient`), so XLA:CPU
+    holds a float32 slice, never a float32 copy of a 16-bit parameter; `chunked=False` for
+    sharded parameters. Time: one read of each parameter.
     """
-    ok = jnp.ones((), bool)
+
+    def zeros(x):
+        return jnp.abs(jnp.sum((x * 0).astype(jnp.float32)))
+
+    total = jnp.zeros((), jnp.float32)
     for x in jax.tree.leaves(tree):
         if eqx.is_inexact_array(x) and x.size:
-            ok = ok & jnp.all(jnp.isfinite(x))
-    return ok
+            total = total + (_chunked(zeros, x) if chunked else zeros(x))
+    return jnp.isfinite(total)
 
 
 def _unsigned(dtype: Any) -> Any:
