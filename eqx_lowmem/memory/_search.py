@@ -88,23 +88,25 @@ class Compiler:
     def _state(self, model: Any, step: Any) -> Any:
         return eqx.filter_eval_shape(lambda m: step.init(m, key=self.key), model)
 
-    def argument_bytes(self, model: Any, spec: Spec) -> int:
-        """A lower bound of the candidate's compiled peak: its state and batch on one
-        device (its arguments, held for the whole step), from shapes alone."""
+    def floor_and_cost(self, model: Any, spec: Spec, budget: int | None) -> tuple[int, Cost | None]:
+        """(a lower bound of the candidate's compiled peak: its state and batch on one device,
+        its arguments, held for the whole step; its arithmetic, `jaxpr_cost` of its traced
+        step, None where the bound exceeds `budget`), from shapes alone: no compile. With
+        `budget=None` the bound is not computed (0)."""
         step = self.step(spec.accumulate, spec.policy, spec.shard)
         state = self._state(model, step)
-        shardings = None if self.mesh is None else step.state_shardings(state)
-        local = sum(
-            int(np.prod(x.shape if s is None else s.shard_shape(x.shape))) * x.dtype.itemsize
-            for x, s in _pairs(state, shardings)
-        )
-        devices = 1 if self.mesh is None else int(self.mesh.shape.get(self.data_axis, 1))
-        return int(local + tree_bytes(self.structs) // devices)
-
-    def cost(self, model: Any, spec: Spec) -> Cost:
-        """The candidate's arithmetic (`jaxpr_cost` of its traced step): no compile."""
-        step = self.step(spec.accumulate, spec.policy, spec.shard)
-        return jaxpr_cost(step.trace(self._state(model, step), self.structs).jaxpr)
+        floor = 0
+        if budget is not None:
+            shardings = None if self.mesh is None else step.state_shardings(state)
+            local = sum(
+                int(np.prod(x.shape if s is None else s.shard_shape(x.shape))) * x.dtype.itemsize
+                for x, s in _pairs(state, shardings)
+            )
+            devices = 1 if self.mesh is None else int(self.mesh.shape.get(self.data_axis, 1))
+            floor = int(local + tree_bytes(self.structs) // devices)
+            if floor > budget:
+                return floor, None
+        return floor, jaxpr_cost(step.trace(state, self.structs).jaxpr)
 
     def report(self, where: tuple, model: Any, accumulate: int, policy: Policy, shard: str):
         index = (*where, accumulate, policy, shard)
@@ -199,13 +201,13 @@ class Search:
         """
         pruned, ranked = [], []
         for spec in specs:
-            model = self.model_of(spec)
-            floor = self.compiler.argument_bytes(model, spec) if self.peak == "compiled" else 0
-            if floor > self.budget:
+            # (The bound holds for the compiled peak, not for the GPU/TPU estimate.)
+            budget = self.budget if self.peak == "compiled" else None
+            floor, cost = self.compiler.floor_and_cost(self.model_of(spec), spec, budget)
+            if cost is None:
                 pruned.append(f"{spec.label}: its state and batch alone take "
                               f"{format_bytes(floor)}, over the budget")  # fmt: skip
                 continue
-            cost = self.compiler.cost(model, spec)
             order = rank_key(spec.density, relative_time(cost, rate), spec.accumulate,
                              spec.shard, cost.flops)  # fmt: skip
             ranked.append((order, spec))
