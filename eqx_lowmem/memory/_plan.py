@@ -118,10 +118,11 @@ def plan(
     Monotone: a smaller budget never returns a candidate with a larger peak (the fitting
     set only shrinks, and the ranking is a fixed total order).
 
-    Memory and time: nothing is allocated (with `measure=False`); one compilation per
-    candidate (on XLA:CPU a 16-bit candidate also needs its float32-compute twin for the
-    GPU/TPU estimate, which is usually a candidate already): 32 candidates of the guide's
-    transformer take a few minutes on two CPU cores; `progress` hears of each.
+    Memory and time: nothing is allocated (with `measure=False`); a trace of every candidate
+    and one compilation of each that can decide the answer (`prune`; on XLA:CPU a 16-bit
+    candidate also needs its float32-compute twin for the GPU/TPU estimate): the guide's
+    transformer for an A100 took 48 s on two CPU cores (`benchmarks/memory.py`), compiling
+    every one of its 32 candidates a few minutes; `progress` hears of each compile.
     `measure=True` builds each fitting model and runs `steps + 1` steps of it.
 
     Args:
