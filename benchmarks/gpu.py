@@ -91,7 +91,7 @@ SIZES = {
             "batch": 4,
         },
         "mlp": {"width": 32, "layers": 2, "batch": 8},
-        "wrn": {"depth": 10, "width": 1, "batch": 10, "image": 8, "classes": 10},
+        "wrn": {"depth": 10, "width": 1, "batch": 100, "image": 8, "classes": 10},
         "stream_samples": 16,
         "timing": {"burn_in": 1, "repeats": 1, "stream_epochs": 1},
     },
@@ -159,6 +159,27 @@ CONFIGS: dict[str, dict] = {
         "precision": "half_fp16",
         "accumulate": 10,
         "density": DENSITY,
+    },
+    # Issue 36: the combination at micro-batches of 2 and 1 image, and with GroupNorm
+    # (micro-batch independent) in BatchNorm's place at micro-batches of 1.
+    "paper/fp16_remat_micro2_sparse30": {
+        "kind": "wrn",
+        "precision": "half_fp16",
+        "accumulate": 50,
+        "density": DENSITY,
+    },
+    "paper/fp16_remat_micro1_sparse30": {
+        "kind": "wrn",
+        "precision": "half_fp16",
+        "accumulate": 100,
+        "density": DENSITY,
+    },
+    "paper/fp16_remat_micro1_sparse30_gn": {
+        "kind": "wrn",
+        "precision": "half_fp16",
+        "accumulate": 100,
+        "density": DENSITY,
+        "norm": "group",
     },
 }
 
@@ -616,6 +637,7 @@ def wrn_worker(name: str, spec: dict, sizes: dict) -> dict:
             w["classes"],
             key=model_key,
             remat=spec.get("remat", PAPER_REMAT),
+            **({"norm": spec["norm"]} if "norm" in spec else {}),
         )
     except TypeError as e:
         raise Unavailable(f"WideResNet(depth, width, classes, *, key, remat) failed: {e}") from e
@@ -654,6 +676,40 @@ def wrn_worker(name: str, spec: dict, sizes: dict) -> dict:
         "optimizer_bytes": _tree_bytes(state.opt_state),
     }
     out.update(_run_make_step(step, state, batch, timing, False))
+    if jax.default_backend() == "gpu":
+        out.update(_wrn_compiled(loss, spec, state, batch))
+    return out
+
+
+def _wrn_compiled(loss, spec: dict, state, batch) -> dict:
+    """The same step's compiled peak for this GPU and for its compile-only target (what a
+    user planning without the GPU is told), beside the measured peak."""
+    import equinox as eqx
+    import jax
+    import optax
+    from memory import compile_only_target
+
+    import eqx_lowmem as el
+
+    def shapes(tree):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, tree
+        )
+
+    def make(mesh=None):
+        return el.train.make_step(loss, optax.sgd(0.1, momentum=0.9),
+                                  accumulate=spec["accumulate"], precision=spec["precision"],
+                                  has_state=True, mesh=mesh)  # fmt: skip
+
+    from _common import compiled_memory
+
+    out = {"device_compiled": compiled_memory(make().lower(state, batch).compile())}
+    name = compile_only_target(jax.devices()[0].device_kind)
+    if name is not None:
+        gpu = el.memory.Target(name)
+        step = make(gpu.mesh((1,), ("data",)))
+        compiled = step.lower(shapes(state), shapes(batch)).compile()
+        out["compile_only"] = {"target": name, **compiled_memory(compiled)}
     return out
 
 
