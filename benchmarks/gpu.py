@@ -344,9 +344,12 @@ def _report(model_shapes, loss, optimizer, batch, *, accumulate=1, precision=Non
 
         target = compile_only_target(jax.devices()[0].device_kind)
         if target is not None:
-            compile_only = int(memory_report(model_shapes, loss, optimizer, structs,
-                                             accumulate=accumulate, precision=precision,
-                                             target=target).peak_bytes)  # fmt: skip
+            try:  # a failure here must not lose the configuration's measured figures
+                compile_only = int(memory_report(model_shapes, loss, optimizer, structs,
+                                                 accumulate=accumulate, precision=precision,
+                                                 target=target).peak_bytes)  # fmt: skip
+            except Exception as e:
+                compile_only = f"{type(e).__name__}: {e}"[:500]
     return {
         "compile_only_peak_bytes": compile_only,
         "peak_bytes": int(report.peak_bytes),
@@ -403,6 +406,8 @@ def transformer_worker(name: str, spec: dict, sizes: dict) -> dict:
             )
         except Unavailable as e:
             out["report"] = {"unavailable": str(e)}
+        except Exception as e:  # a failure here must not lose the measured figures
+            out["report"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     return out
 
 
@@ -677,7 +682,10 @@ def wrn_worker(name: str, spec: dict, sizes: dict) -> dict:
     }
     out.update(_run_make_step(step, state, batch, timing, False))
     if jax.default_backend() == "gpu":
-        out.update(_wrn_compiled(loss, spec, state, batch))
+        try:  # a failure here must not lose the configuration's measured figures
+            out.update(_wrn_compiled(loss, spec, state, batch))
+        except Exception as e:
+            out["compiled_error"] = f"{type(e).__name__}: {e}"[:500]
     return out
 
 
@@ -791,7 +799,7 @@ def evaluate_goals(results: dict) -> dict:
         report, peak = r.get("report"), r.get("peak")
         if isinstance(report, dict) and "predicted" in report and peak:
             errors[name] = report["predicted"] / peak - 1
-            if report.get("compile_only_peak_bytes"):
+            if isinstance(report.get("compile_only_peak_bytes"), int):
                 compile_only[name] = report["compile_only_peak_bytes"] / peak - 1
     worst = max(errors.values(), key=abs) if errors else None
     goals["report_within_5_percent"] = {

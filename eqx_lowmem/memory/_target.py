@@ -24,6 +24,8 @@ from jax.sharding import Mesh
 
 # The extra that installs the CUDA plugin (the wheels of JAX's `cuda12-local` extra).
 EXTRA = "eqx-lowmem[gpu-plan]"
+# JAX's CUDA plugins, either of which compiles for a GPU target (the extra installs 12's).
+_CUDA_MAJORS = ("12", "13")
 _INSTALL = f"pip install '{EXTRA}' (from a checkout: pip install -e '.[gpu-plan]')"
 # JAX's default share of a GPU's memory that XLA may use (XLA_PYTHON_CLIENT_MEM_FRACTION).
 DEFAULT_MEM_FRACTION = 0.75
@@ -363,7 +365,7 @@ def _topology(config: str, devices: int, name: str) -> Any:
     """The compile-only topology of `devices` GPUs described by `config` (kept)."""
     key = (config, devices)
     if key not in _TOPOLOGIES:
-        _check_plugin()
+        major = _check_plugin()
         from jax.experimental import topologies
 
         def make():
@@ -376,7 +378,7 @@ def _topology(config: str, devices: int, name: str) -> Any:
                 try:
                     topology = make()
                 except NotImplementedError:
-                    _register_plugin()
+                    _register_plugin(major)
                     topology = make()
             except jax.errors.JaxRuntimeError as e:
                 message = [line for line in log.read().splitlines() if "rror" in line]
@@ -411,29 +413,37 @@ def _tpu_topology(name: str, tpu: _Tpu, devices: int) -> Any:
     return _TOPOLOGIES[key]
 
 
-def _check_plugin() -> None:
-    """The CUDA plugin is installed at jaxlib's version, or an ImportError that says how."""
-    try:
-        plugin = importlib.metadata.version("jax-cuda12-plugin")
-    except importlib.metadata.PackageNotFoundError:
+def _check_plugin() -> str:
+    """The CUDA major version ("12" or "13") of JAX's CUDA plugin installed at jaxlib's
+    version, or an ImportError that says how to install one."""
+    jaxlib = importlib.metadata.version("jaxlib")
+    found = {}
+    for major in _CUDA_MAJORS:
+        try:
+            found[major] = importlib.metadata.version(f"jax-cuda{major}-plugin")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    for major, plugin in found.items():
+        if plugin == jaxlib:
+            return major
+    if not found:
         raise ImportError(
             "a GPU target compiles with JAX's CUDA plugin, which is not installed: "
             f"{_INSTALL}. It needs no GPU and no driver."
-        ) from None
-    jaxlib = importlib.metadata.version("jaxlib")
-    if plugin != jaxlib:
-        raise ImportError(
-            f"jax-cuda12-plugin {plugin} is installed but jaxlib is {jaxlib}; they must be "
-            f"the same version: pip install 'jax-cuda12-plugin=={jaxlib}' "
-            f"'jax-cuda12-pjrt=={jaxlib}' (or {_INSTALL})."
         )
+    major, plugin = next(iter(found.items()))
+    raise ImportError(
+        f"jax-cuda{major}-plugin {plugin} is installed but jaxlib is {jaxlib}; they must be "
+        f"the same version: pip install 'jax-cuda{major}-plugin=={jaxlib}' "
+        f"'jax-cuda{major}-pjrt=={jaxlib}' (or {_INSTALL})."
+    )
 
 
-def _register_plugin() -> None:
+def _register_plugin(major: str) -> None:
     """Register the CUDA plugin for compiling only. JAX skips it where CUDA cannot load (no
     GPU or driver here); its registration needs neither, only its version check does."""
     jax.devices()  # start this process's backends first: they never include the plugin
-    import jax_plugins.xla_cuda12 as cuda  # type: ignore[import-not-found]
+    cuda = importlib.import_module(f"jax_plugins.xla_cuda{major}")
 
     saved = os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
     os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
