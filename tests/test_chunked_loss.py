@@ -165,3 +165,34 @@ def test_the_step_trains_the_same_with_the_chunked_loss_fused_and_accumulated():
             state, _ = step(state, (tokens,))
         models.append(eqx.filter(state.model, eqx.is_inexact_array))
     assert tree_allclose(models[0], models[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_weighted_mean_takes_the_gradients_of_the_forward_pass_scaled():
+    """Differentiated, the forward pass computes the gradients for a cotangent equal to
+    `weights`; the backward pass scales them (no recomputed logits) when its cotangent is
+    `weights` times one number, and recomputes them for any other (above: exact)."""
+    from eqx_lowmem.train._chunked import _chunked_ce_bwd, _chunked_ce_fwd
+
+    h, w = jr.normal(jr.key(0), (12, 8)), jr.normal(jr.key(1), (13, 8))
+    t = jr.randint(jr.key(2), (12,), 0, 13)
+    weights = (jr.uniform(jr.key(3), (12,)) > 0.3).astype(jnp.float32)
+    _, res = _chunked_ce_fwd(h, w, None, t, weights, 5)
+    kept_dh, kept_dw = res[6], res[7]
+    dh, dw, _, _, _ = _chunked_ce_bwd(5, res, 0.25 * weights)
+    assert bool(jnp.all(dh == 0.25 * kept_dh)) and bool(jnp.all(dw == 0.25 * kept_dw))
+    # Another cotangent: recomputed, not the kept gradients scaled, and still exact.
+    other = weights * jnp.arange(12.0)
+    dh2, dw2, _, _, _ = _chunked_ce_bwd(5, res, other)
+
+    def naive(h, w):
+        logp = jax.nn.log_softmax(h @ w.T, axis=-1)
+        return -jnp.take_along_axis(logp, t[:, None], axis=1)[:, 0]
+
+    want_dh, want_dw = jax.vjp(naive, h, w)[1](other)
+    np.testing.assert_allclose(dh2, want_dh, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw2, want_dw, rtol=1e-5, atol=1e-5)
+    # The kept gradients are those of sum(weights * loss).
+    want_dh, want_dw = jax.vjp(naive, h, w)[1](weights)
+    np.testing.assert_allclose(kept_dh, want_dh, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(kept_dw, want_dw, rtol=1e-5, atol=1e-5)
+

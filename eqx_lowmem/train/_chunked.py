@@ -52,48 +52,104 @@ def _n_chunks(vocab: int, chunk: int) -> int:
     return -(-vocab // chunk)
 
 
-def _lse_and_target(h, w, b, targets, chunk):
-    """Per token: the float32 log-sum-exp of the logits, and the target's logit (NaN for an
-    id outside `[0, vocab)`: it falls in no chunk, never clamped or wrapped)."""
-    n = h.shape[0]
+def _steps(tokens: int, vocab: int, chunk: int) -> int:
+    """Scan steps over the tokens: the fewest that divide `tokens` and hold at most
+    `tokens * chunk` logits a step (`tokens / steps` whole rows of `vocab`)."""
+    need = min(tokens, -(-vocab // chunk))
+    return next(r for r in range(max(need, 1), tokens + 1) if tokens % r == 0)
 
-    def body(carry, i):
-        m, s, picked = carry
-        _, wc, bc, cols, fresh = _chunk_at(w, b, i, chunk)
-        z = _logits(h, wc, bc)  # (tokens, chunk) float32
-        hit = targets[:, None] == cols[None, :]
-        picked = jnp.where(jnp.any(hit, axis=1), jnp.sum(jnp.where(hit, z, 0.0), axis=1), picked)
-        z = jnp.where(fresh[None, :], z, -jnp.inf)
-        new_m = jnp.maximum(m, jnp.max(z, axis=1))
-        s = s * jnp.exp(m - new_m) + jnp.sum(jnp.exp(z - new_m[:, None]), axis=1)
-        return (new_m, s, picked), None
+
+def _strided(x: Array, steps: int) -> Array:
+    """`(tokens, ...)` as `(steps, tokens / steps, ...)`: step `i` holds rows `i, i + steps,
+    ...`, so a token-sharded array keeps its sharding (each shard holds part of every
+    step) and nothing is gathered."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // steps, steps, *x.shape[1:]), 0, 1)
+
+
+def _unstrided(y: Array) -> Array:
+    return jnp.swapaxes(y, 0, 1).reshape(-1, *y.shape[2:])
+
+
+def _rows(h, w, b, targets):
+    """Some tokens' whole float32 logits, their log-sum-exps and losses (NaN for an id
+    outside `[0, vocab)`: never clamped or wrapped)."""
+    z = _logits(h, w, b)
+    lse = jax.nn.logsumexp(z, axis=1)
+    picked = jnp.take_along_axis(
+        z, targets[:, None], axis=1, mode="fill", fill_value=jnp.nan,
+        wrap_negative_indices=False,
+    )[:, 0]  # fmt: skip
+    return z, lse, lse - picked
+
+
+def _losses(h, w, b, targets, steps):
+    def body(_, xs):
+        return None, _rows(w=w, b=b, h=xs[0], targets=xs[1])[2]
+
+    _, nll = jax.lax.scan(body, None, (_strided(h, steps), _strided(targets, steps)))
+    return _unstrided(nll)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _chunked_ce(h, w, b, targets, weights, chunk):
+    return _losses(h, w, b, targets, _steps(h.shape[0], w.shape[0], chunk))
+
+
+def _chunked_ce_fwd(h, w, b, targets, weights, chunk):
+    """The losses and, in the same pass over the logits, the gradients for a cotangent
+    equal to `weights` (the head's three matmuls, as the naive loss): `d(sum(weights *
+    loss))` for the hidden states (per token), the head's weight and bias."""
+    steps = _steps(h.shape[0], w.shape[0], chunk)
+
+    def body(carry, xs):
+        dw, db = carry
+        hs, ts, ws = xs
+        z, lse, nll = _rows(hs, w, b, ts)
+        onehot = ts[:, None] == jnp.arange(w.shape[0])[None, :]
+        g = (jnp.exp(z - lse[:, None]) - onehot.astype(z.dtype)) * ws[:, None]  # float32
+        gc = g.astype(h.dtype)
+        dh = jnp.dot(gc, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        dw = dw + jnp.dot(gc.T, hs, preferred_element_type=jnp.float32)
+        db = None if db is None else db + jnp.sum(g, axis=0)
+        return (dw, db), (nll, dh, lse)
 
     init = (
-        jnp.full((n,), -jnp.inf, jnp.float32),
-        jnp.zeros((n,), jnp.float32),
-        jnp.full((n,), jnp.nan, jnp.float32),
+        jnp.zeros(w.shape, jnp.float32),
+        None if b is None else jnp.zeros(b.shape, jnp.float32),
     )
-    (m, s, picked), _ = jax.lax.scan(body, init, jnp.arange(_n_chunks(w.shape[0], chunk)))
-    return m + jnp.log(s), picked
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _chunked_ce(h, w, b, targets, chunk):
-    lse, picked = _lse_and_target(h, w, b, targets, chunk)
-    return lse - picked
-
-
-def _chunked_ce_fwd(h, w, b, targets, chunk):
-    lse, picked = _lse_and_target(h, w, b, targets, chunk)
-    return lse - picked, (h, w, b, targets, lse)
+    xs = (_strided(h, steps), _strided(targets, steps), _strided(weights, steps))
+    (dw, db), (nll, dh, lse) = jax.lax.scan(body, init, xs)
+    lse = _unstrided(lse)
+    return _unstrided(nll), (h, w, b, targets, weights, lse, _unstrided(dh), dw, db)
 
 
 def _chunked_ce_bwd(chunk, res, g_loss):
-    """Per chunk, recomputed logits give `(softmax - onehot) * g` (float32), from which the
-    chunk's rows of the head's gradients (written in place into whole-head buffers) and its
-    part of the hidden states' gradient (summed in float32)."""
-    h, w, b, targets, lse = res
+    """The forward pass's gradients scaled, when the cotangent is `weights` times one
+    number (a weighted mean of the losses, as every loss of the library takes); else
+    recomputed for any cotangent, one vocabulary chunk at a time."""
+    h, w, b, targets, weights, lse, dh, dw, db = res
     g_loss = g_loss.astype(jnp.float32)
+    scale = jnp.sum(g_loss * weights) / jnp.maximum(jnp.sum(weights * weights), 1e-30)
+    proportional = jnp.all(jnp.abs(g_loss - scale * weights) <= 1e-6 * jnp.max(jnp.abs(g_loss)))
+
+    def scaled(_):
+        return (
+            (scale * dh).astype(h.dtype),
+            (scale * dw).astype(w.dtype),
+            None if b is None else (scale * db).astype(b.dtype),
+        )
+
+    def recomputed(_):
+        return _recomputed(h, w, b, targets, lse, g_loss, chunk)
+
+    dh, dw, db = jax.lax.cond(proportional, scaled, recomputed, None)
+    return dh, dw, db, None, None
+
+
+def _recomputed(h, w, b, targets, lse, g_loss, chunk):
+    """Per vocabulary chunk, recomputed logits give `(softmax - onehot) * g` (float32),
+    from which the chunk's rows of the head's gradients (written in place into whole-head
+    buffers) and its part of the hidden states' gradient (summed in float32)."""
 
     def body(carry, i):
         dh, dw, db = carry
@@ -115,7 +171,7 @@ def _chunked_ce_bwd(chunk, res, g_loss):
         None if b is None else jnp.zeros(b.shape, b.dtype),
     )
     (dh, dw, db), _ = jax.lax.scan(body, init, jnp.arange(_n_chunks(w.shape[0], chunk)))
-    return dh.astype(h.dtype), dw, db, None
+    return dh.astype(h.dtype), dw, db
 
 
 def _add_rows(total: Array, part: Array, start: Array) -> Array:
@@ -134,19 +190,26 @@ def chunked_cross_entropy(
     targets: Int[Array, " tokens"],
     *,
     head_bias: Float[Array, " vocab"] | None = None,
+    weights: Float[Array, " tokens"] | None = None,
     chunk: int = DEFAULT_CHUNK,
 ) -> Float[Array, " tokens"]:
     """Softmax cross-entropy of the logits `hidden @ head_weight.T (+ head_bias)` against
-    `targets`, one vocabulary chunk at a time: the whole logits are never held, forward or
+    `targets`, a few tokens' logits at a time: the whole logits are never held, forward or
     backward.
 
-    Memory: `tokens * chunk` float32 logits at a time (and as many for the softmax's
-    gradient in the backward pass) instead of two `tokens * vocab` arrays kept from the
-    forward pass to the backward; the backward pass keeps only `hidden`, the head and one
-    float32 log-sum-exp per token. Time: the head's matmul runs twice (once more in the
-    backward pass to recompute each chunk's logits); measured side by side in
-    `benchmarks/memory.py --lm-loss`. Smaller chunks hold less, larger ones run fewer, wider
-    matmuls.
+    Memory: about `tokens * chunk` float32 logits at a time (whole rows of the logits for
+    `tokens * chunk / vocab` tokens a step) instead of two `tokens * vocab` arrays kept from
+    the forward pass to the backward. Smaller chunks hold less, larger ones run fewer,
+    wider matmuls.
+
+    Time: differentiated, the forward pass also computes the gradients for a cotangent
+    proportional to `weights` (the head's three matmuls, as the naive loss runs), kept as
+    one float32 head-sized gradient and one float32 row per token; the backward pass scales
+    them when its cotangent is `weights` times one number, which is what every weighted
+    mean of the losses gives (the library's steps, `next_token_loss`). Any other cotangent
+    is exact too: the backward pass then recomputes the logits one vocabulary chunk of
+    `chunk` at a time (a fourth matmul). Measured side by side in `benchmarks/memory.py
+    --lm-loss`.
 
     The matmuls run in `hidden`'s dtype (16-bit under mixed precision) with float32
     accumulation; the log-sum-exp, the losses and the softmax's gradient are float32. The
@@ -163,6 +226,8 @@ def chunked_cross_entropy(
             embedding itself).
         targets: integer class ids, one per row of `hidden`.
         head_bias: the head's bias, if it has one.
+        weights: how the caller weighs each token's loss (a mask of 0 and 1, say); None
+            for equal weights. Only speed depends on it (above), never the result.
         chunk: vocabulary entries per chunk, in `[1, vocab]`; need not divide `vocab`.
 
     Returns:
@@ -195,5 +260,14 @@ def chunked_cross_entropy(
             f"chunked_cross_entropy: head_bias has shape {head_bias.shape}, expected "
             f"({head_weight.shape[0]},)."
         )
+    if weights is not None and weights.shape != targets.shape:
+        raise ValueError(
+            f"chunked_cross_entropy: weights has shape {weights.shape}, expected the "
+            f"targets' {targets.shape}."
+        )
     chunk = check_chunk(chunk, head_weight.shape[0])
-    return _chunked_ce(hidden, head_weight, head_bias, targets.astype(jnp.int32), chunk)
+    weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
+    return _chunked_ce(
+        hidden, head_weight, head_bias, targets.astype(jnp.int32),
+        jax.lax.stop_gradient(weights.astype(jnp.float32)), chunk,
+    )  # fmt: skip

@@ -131,14 +131,14 @@ def next_token_loss(
         raise ValueError(
             f"next_token_loss: mask has shape {mask.shape}, expected the tokens' {tokens.shape}."
         )
+    weights = None if mask is None else mask[:, 1:].astype(jnp.float32)
     head = _chunked_head(model, chunk)
     if head is None:
         nll = _plain_nll(model, tokens, key)
     else:
-        nll = _chunked_nll(model, head, tokens, key, chunk)
-    if mask is None:
+        nll = _chunked_nll(model, head, tokens, key, chunk, weights)
+    if weights is None:
         return nll, jnp.ones_like(nll)
-    weights = mask[:, 1:].astype(jnp.float32)
     return jnp.where(weights > 0, nll, 0.0), weights  # a masked target never matters
 
 
@@ -170,7 +170,7 @@ def _plain_nll(model, tokens: Array, key) -> Array:
     return -_pick(logp, targets)
 
 
-def _chunked_nll(model, head, tokens: Array, key, chunk) -> Array:
+def _chunked_nll(model, head, tokens: Array, key, chunk, weights: Array | None) -> Array:
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     weight, bias = head
     vocab = weight.shape[0]
@@ -179,7 +179,10 @@ def _chunked_nll(model, head, tokens: Array, key, chunk) -> Array:
     hidden = _apply(model.hidden_states, inputs, key)  # (batch, seq - 1, d_model)
     _check_lm_shape(inputs, targets, hidden.shape[:2] + (vocab,))
     flat = hidden.reshape(-1, hidden.shape[-1])
-    nll = chunked_cross_entropy(flat, weight, targets.reshape(-1), head_bias=bias, chunk=size)
+    flat_weights = None if weights is None else jnp.where(weights > 0, weights, 0.0).reshape(-1)
+    nll = chunked_cross_entropy(
+        flat, weight, targets.reshape(-1), head_bias=bias, weights=flat_weights, chunk=size
+    )
     return nll.reshape(targets.shape)
 
 
