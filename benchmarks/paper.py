@@ -96,7 +96,18 @@ WRN_ROWS = {
         0.3,
         "float16",
     ),
+    # Issue 36: dense, GroupNorm with Weight Standardization in BatchNorm's place
+    # (`NORMS`), micro-batches of one image: within 2 points of micro-batches of 10 on the
+    # frontier (benchmarks/results/frontier_norm.json), where BatchNorm loses 6.
+    "fp16_checkpoint_micro100_gnws": (
+        "half_fp16",
+        "checkpoint-residual-1",
+        100,
+        None,
+        "float16",
+    ),
 }
+NORMS = {"fp16_checkpoint_micro100_gnws": "group_ws"}
 # New configurations, each timed against its neighbour (at WRN_TIMED's size: a WRN-28-2
 # step takes seconds per update on a CPU).
 TIMED = {
@@ -261,6 +272,7 @@ def _wrn(row: str, cfg: dict) -> tuple[Any, Any]:
         key=jr.PRNGKey(0),
         in_channels=cfg["image"][0],
         remat=remat,
+        norm=NORMS.get(row, "batch"),
     )
     if density is not None:
         import eqx_lowmem.sparse as sparse  # imported lazily: a separate package part
@@ -307,6 +319,8 @@ def worker_wrn(spec: dict) -> dict:
 
     uses = _uses(precision, remat, accumulate, density, accumulate_dtype,
                  "uint8 images, int32 labels")  # fmt: skip
+    if spec["row"] in NORMS:
+        uses += f"; norm={NORMS[spec['row']]!r} (GroupNorm, Weight Standardization)"
     return _both(uses, report)
 
 

@@ -174,7 +174,7 @@ def clean_stale_temporaries(
     Only files named as `atomic_write` names them (`.<name>.<16 hex digits>.tmp`) are
     removed; with `name` (a destination's name, or a test of one) only those of the
     destinations it names. Call it only while no other writer can use the directory (e.g.
-    while holding `eqx_lowmem.train.lock_directory`): a live writer's temporary looks the
+    while holding the directory's lock): a live writer's temporary looks the
     same as a dead one's.
 
     Returns:

@@ -37,6 +37,8 @@ import optax
 
 import eqx_lowmem as el
 
+PRECISIONS = ("float32", "half_bf16", "half_fp16", "mixed_bf16", "mixed_fp16")
+
 VOCAB = 128  # ASCII: every byte of the corpus is below 128
 
 
@@ -52,7 +54,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=32, help="sequences per update (the whole batch)")
     p.add_argument("--accumulate", type=int, default=2, help="micro-batches per update")
     p.add_argument("--remat", default="full", choices=["none", "full", "dots", "minimal"])
-    p.add_argument("--precision", default="mixed_bf16", choices=sorted(el.precision.PRESETS))
+    p.add_argument(
+        "--precision",
+        default="mixed_bf16",
+        choices=("float32", "half_bf16", "half_fp16", "mixed_bf16", "mixed_fp16"),
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--shuffle-buffer", type=int, default=1024)

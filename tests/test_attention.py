@@ -132,7 +132,7 @@ def test_encoder_and_lm_pass_the_choice_through(getkey, causal):
 
 
 def test_auto_resolves_to_chunked_on_cpu_and_cudnn_for_16bit_on_gpu():
-    resolve = el.nn.resolve_attention
+    resolve = el.nn._attention.resolve_attention
     assert jax.default_backend() == "cpu"
     assert resolve("auto", jnp.float32) == "chunked"
     assert resolve("auto", jnp.bfloat16) == "chunked"  # CPU: no fused kernel
@@ -181,9 +181,9 @@ def test_block_rejects_bad_attention_arguments(getkey, kwargs, match):
 
 def test_resolve_rejects_bad_names_and_dropout():
     with pytest.raises(ValueError, match="attention must be one of"):
-        el.nn.resolve_attention("flash", jnp.float32)
+        el.nn._attention.resolve_attention("flash", jnp.float32)
     with pytest.raises(ValueError, match="has no dropout"):
-        el.nn.resolve_attention("xla", jnp.float32, dropout=0.1)
+        el.nn._attention.resolve_attention("xla", jnp.float32, dropout=0.1)
 
 
 def test_cudnn_head_dim_checked_when_built(getkey):

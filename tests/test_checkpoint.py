@@ -20,23 +20,23 @@ import pytest
 import eqx_lowmem as el
 from eqx_lowmem._io import atomic_write, clean_stale_temporaries, write_json
 from eqx_lowmem.train import (
-    CHECKPOINT_NAME,
     CheckpointError,
     DirectoryLockedError,
     TrainState,
     load_checkpoint,
     load_model,
-    lock_directory,
     read_meta,
     save_checkpoint,
 )
+from eqx_lowmem.train._checkpoint import CHECKPOINT_NAME
+from eqx_lowmem.train._lock import lock_directory
 
 _MAGIC = b"EQXLOWMEM-CKPT 2\n"
 
 
 def _state(seed=0, opt=None, width=4, dtype=jnp.float32):
     model = eqx.nn.MLP(3, 2, width, 2, key=jr.PRNGKey(seed))
-    model = el.precision.cast_floating(model, dtype)
+    model = el.precision._policy.cast_floating(model, dtype)
     opt = optax.adam(1e-3) if opt is None else opt
     return TrainState(
         step=jnp.asarray(7, jnp.int32),
@@ -316,7 +316,7 @@ def test_load_model_reads_just_the_model_of_a_trainer_checkpoint(tmp_path):
     save_checkpoint(p, half, {})
     loaded = load_model(p, fresh)
     assert loaded.layers[0].weight.dtype == jnp.float32
-    assert eqx.tree_equal(loaded, el.precision.cast_floating(half.model, jnp.float32))
+    assert eqx.tree_equal(loaded, el.precision._policy.cast_floating(half.model, jnp.float32))
     with pytest.raises(
         CheckpointError, match=r"no model shaped as `like`: leaf .model.layers\[3\]"
     ):
@@ -384,7 +384,8 @@ def test_a_sharded_state_saves_and_reloads_onto_its_sharding_and_another_count(t
 
 _HOLD = """
 import sys, time
-from eqx_lowmem.train import lock_directory, DirectoryLockedError
+from eqx_lowmem.train import DirectoryLockedError
+from eqx_lowmem.train._lock import lock_directory
 try:
     with lock_directory(sys.argv[1]):
         print("held", flush=True)

@@ -195,4 +195,3 @@ def test_a_weighted_mean_takes_the_gradients_of_the_forward_pass_scaled():
     want_dh, want_dw = jax.vjp(naive, h, w)[1](weights)
     np.testing.assert_allclose(kept_dh, want_dh, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(kept_dw, want_dw, rtol=1e-5, atol=1e-5)
-

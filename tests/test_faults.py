@@ -21,7 +21,8 @@ import optax
 import pytest
 
 import eqx_lowmem as el
-from eqx_lowmem.train import CHECKPOINT_NAME, DirectoryLockedError
+from eqx_lowmem.train import DirectoryLockedError
+from eqx_lowmem.train._checkpoint import CHECKPOINT_NAME
 
 ROOT = Path(__file__).parent.parent
 
@@ -48,7 +49,7 @@ def _trainer(directory=None, optimizer=None, **kwargs):
 _RUNNING = """
 import sys, time
 from pathlib import Path
-from eqx_lowmem.train import lock_directory
+from eqx_lowmem.train._lock import lock_directory
 with lock_directory(sys.argv[1]) as d:
     (d / sys.argv[2]).write_bytes(b"half a checkpoint")
     print("held", flush=True)
@@ -362,9 +363,9 @@ def test_arguments_of_the_wrong_kind_are_named_or_accepted():
         check_depth("2")
     with pytest.raises(TypeError, match=r"source is a function taking arguments \(path\)"):
         el.data.DataStream(_source_with_an_argument, 2)
-    assert el.memory.parse_size(np.int64(2**30), "budget") == 2**30
+    assert el.memory._units.parse_size(np.int64(2**30), "budget") == 2**30
     with pytest.raises(TypeError, match="budget must be an int .*got float 2.5"):
-        el.memory.parse_size(2.5, "budget")
+        el.memory._units.parse_size(2.5, "budget")
     model = el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0))
     x = jax.ShapeDtypeStruct((4, 2), jnp.float32)
     wanted = r"(?s)plan\(make_model=...\) takes a function .*got a\nMLP"
@@ -415,7 +416,7 @@ def test_big_endian_arrays_are_refused_when_the_stream_is_built(tmp_path):
         (lambda m: el.train.read_meta(""), ValueError, "path='' is empty; expected a file path"),
         (lambda m: el.train.load_model("", m), ValueError, "path='' is empty"),
         (lambda m: el.train.save_model("", m), ValueError, "path='' is empty"),
-        (lambda m: el.train.lock_directory("").__enter__(), ValueError, "checkpoint_dir=''"),
+        (lambda m: el.train._lock.lock_directory("").__enter__(), ValueError, "checkpoint_dir=''"),
         (lambda m: el.train.save_model("m.eqx", None), TypeError, "holds no arrays"),
         (lambda m: _trainer().evaluate(_data(), micro_batch=0), ValueError, "micro_batch must"),
     ],

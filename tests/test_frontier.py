@@ -87,7 +87,7 @@ def test_every_configuration_of_the_grid_reaches_its_step_and_model():
         if density is not None:
             assert abs(density - opts["density"]) < 0.01, name
         else:
-            assert not el.sparse.sparse_layers(model), name
+            assert not el.sparse._convert.sparse_layers(model), name
 
 
 def test_checkpoint_residual_3_is_checkpoint_residual_1_on_the_grids_depth():

@@ -32,7 +32,7 @@ def _expected_unavailable(name: str) -> bool:
     if name.startswith("paper/"):
         return not hasattr(el.nn, "WideResNet")
     if name == "remat/minimal_offloaded":
-        return "minimal_offloaded" not in el.nn.PRESETS
+        return "minimal_offloaded" not in el.nn._remat.PRESETS
     return False
 
 

@@ -145,14 +145,14 @@ def uninterrupted(tmp_path_factory):
     directory = tmp_path_factory.mktemp("full")
     trainer = make_trainer(directory)
     history = fit(trainer)
-    return trainer, history, el.train.read_meta(directory / el.train.CHECKPOINT_NAME)
+    return trainer, history, el.train.read_meta(directory / el.train._checkpoint.CHECKPOINT_NAME)
 
 
 def _check_resumes_exactly(directory, uninterrupted):
     full, full_history, full_meta = uninterrupted
     trainer = make_trainer(directory)
     history = fit(trainer)
-    meta = el.train.read_meta(directory / el.train.CHECKPOINT_NAME)
+    meta = el.train.read_meta(directory / el.train._checkpoint.CHECKPOINT_NAME)
     assert history == full_history
     assert meta["stream"] == full_meta["stream"] and meta["history"] == full_meta["history"]
     assert int(trainer.state.step) == int(full.state.step) == 4 * EPOCHS
@@ -191,7 +191,7 @@ def test_sigkill_at_every_phase_resumes_bit_identically(tmp_path, uninterrupted,
     updates = [int(line.split()[1]) for line in out.splitlines() if line.startswith("update")]
     assert updates and max(updates) < 4 * EPOCHS
     # Whatever phase it died in, the directory holds a whole checkpoint.
-    meta = el.train.read_meta(tmp_path / el.train.CHECKPOINT_NAME)
+    meta = el.train.read_meta(tmp_path / el.train._checkpoint.CHECKPOINT_NAME)
     assert 0 < meta["updates"] <= max(updates)
     _check_resumes_exactly(tmp_path, uninterrupted)
 
@@ -224,7 +224,7 @@ def test_a_stop_signal_saves_and_exits_with_one_line_then_resumes(
     stopped = int(lines[0].split(" at update ")[1].split(";")[0])
     assert lines[0] == f"{how} at update {stopped}; run again to resume"
     assert 5 <= stopped < 4 * EPOCHS
-    meta = el.train.read_meta(tmp_path / el.train.CHECKPOINT_NAME)
+    meta = el.train.read_meta(tmp_path / el.train._checkpoint.CHECKPOINT_NAME)
     assert meta["updates"] == stopped  # saved at the update it stopped at, not before
     _check_resumes_exactly_after_interrupt(tmp_path, uninterrupted, stopped)
 
@@ -254,7 +254,9 @@ def test_interrupt_raise_keeps_the_saved_state_in_memory(tmp_path, signum, how):
     handler = signal.getsignal(signum)  # SIG_IGN in a background job, else the default
     with pytest.raises(KeyboardInterrupt, match=f"{how} at update 3"):
         fit(trainer)
-    state, meta = el.train.load_checkpoint(tmp_path / el.train.CHECKPOINT_NAME, trainer.state)
+    state, meta = el.train.load_checkpoint(
+        tmp_path / el.train._checkpoint.CHECKPOINT_NAME, trainer.state
+    )
     assert meta["updates"] == 3 and int(state.step) == 3
     assert _same(state.model, trainer.state.model)
     assert signal.getsignal(signum) is handler  # restored

@@ -153,9 +153,9 @@ def test_an_impossible_budget_names_the_smallest_peak_and_its_largest_part():
     part, _ = only.report.dominant
     message = str(error)
     assert "budget=64.0 KiB" in message
-    assert el.memory.format_bytes(only.peak_bytes) in message
+    assert el.memory._units.format_bytes(only.peak_bytes) in message
     assert "remat=full, accumulate=2, precision=float32" in message
-    assert el.memory.PART_LABELS[part] in message
+    assert el.memory._result.PART_LABELS[part] in message
 
 
 def test_errors_name_the_argument(planned):
@@ -244,8 +244,8 @@ def test_ranking_knows_the_backend_and_says_what_it_is_based_on(planned):
     f32, bf16 = by[False, 1, "float32"].report.cost, by[False, 1, "mixed_bf16"].report.cost
     assert f32.matmul_flops == bf16.matmul_flops and f32.matmul_flops_16bit == 0
     assert bf16.matmul_flops_16bit == bf16.matmul_flops
-    gpu = el.memory.THROUGHPUTS["gpu"]
-    assert el.memory.relative_time(bf16, gpu) < el.memory.relative_time(f32, gpu)
+    gpu = el.memory._cost.THROUGHPUTS["gpu"]
+    assert el.memory._cost.relative_time(bf16, gpu) < el.memory._cost.relative_time(f32, gpu)
     assert "Ranked by estimated step time on a GPU" in str(for_gpu)
     assert "Ranked by estimated step time on a CPU" in str(planned)
     assert json.loads(for_gpu.to_json())["ranking"].startswith("estimated step time on a GPU")

@@ -46,7 +46,7 @@ def adam_report(users_compiler):
 
 def test_parts_add_up_to_the_compiled_peak_of_the_real_step(adam_report):
     model, step, report = adam_report
-    assert tuple(report.parts) == el.memory.PARTS
+    assert tuple(report.parts) == el.memory._result.PARTS
     assert sum(report.parts.values()) == report.peak_bytes
     # The step that runs, compiled with real arrays through Step.lower.
     state = step.init(model, key=jr.PRNGKey(0))
@@ -120,7 +120,7 @@ def test_remat_and_accumulation_lower_the_activations(sgd_reports):
 def test_activation_groups_name_checkpoints_and_layers(sgd_reports):
     report = sgd_reports["minimal"]
     named = {g.label: g for g in report.activations if g.name is not None}
-    assert set(named) == set(el.nn.MINIMAL_NAMES)
+    assert set(named) == set(el.nn._remat.MINIMAL_NAMES)
     qkv = named["qkv"]
     # One per layer, stacked by the scan over layers: (layers, batch, seq, 3 * d_model).
     assert qkv.loops == (LAYERS,)
@@ -212,7 +212,7 @@ def test_jaxpr_cost_counts_every_scan_iteration_and_matches_xla_without_loops():
     def scanned(x):
         return jax.lax.scan(lambda h, wi: (h @ wi, None), x, w)[0]
 
-    cost = el.memory.jaxpr_cost(jax.make_jaxpr(scanned)(jnp.ones((4, 16))))
+    cost = el.memory._cost.jaxpr_cost(jax.make_jaxpr(scanned)(jnp.ones((4, 16))))
     assert cost.matmul_flops == 3 * 2 * 4 * 16 * 16
     # A model without loops: XLA's own count agrees.
     model = el.nn.mlp([16, 64, 4], key=jr.PRNGKey(0))
@@ -224,7 +224,7 @@ def test_jaxpr_cost_counts_every_scan_iteration_and_matches_xla_without_loops():
     grad = eqx.filter_jit(eqx.filter_grad(loss))
     xla = grad.lower(model, x).compile().compiled.cost_analysis()
     xla = xla[0] if isinstance(xla, list) else xla
-    mine = el.memory.jaxpr_cost(eqx.filter_make_jaxpr(eqx.filter_grad(loss))(model, x)[0])
+    mine = el.memory._cost.jaxpr_cost(eqx.filter_make_jaxpr(eqx.filter_grad(loss))(model, x)[0])
     assert mine.flops == pytest.approx(xla["flops"], rel=0.05)
 
 
@@ -295,7 +295,7 @@ def test_wrn_first_blocks_count_their_shared_activation_once():
     )
     act1 = [
         g for g in report.activations
-        if g.name == "act1" and g.scope.endswith("WideResNet/eqx_lowmem.nn.WideBlock")
+        if g.name == "act1" and g.scope.endswith("WideResNet/eqx_lowmem.nn._wrn.WideBlock")
     ]  # fmt: skip
     # The three first blocks (each with a 1x1 shortcut on act1): one act1 each, the size of
     # their inputs (16 channels at 8x8, 16 at 8x8, 32 at 4x4), not twice that.
@@ -315,20 +315,20 @@ def test_wrn_first_blocks_count_their_shared_activation_once():
     ],
 )
 def test_parse_size(text, expected):
-    assert el.memory.parse_size(text) == expected
+    assert el.memory._units.parse_size(text) == expected
 
 
 @pytest.mark.parametrize("bad", ["2 GiBs", "GiB", "-1GiB", "1e9", ""])
 def test_parse_size_rejects_what_is_not_a_size(bad):
     with pytest.raises(ValueError, match="not a byte size"):
-        el.memory.parse_size(bad)
+        el.memory._units.parse_size(bad)
 
 
 def test_format_bytes():
-    assert el.memory.format_bytes(3 * 2**29) == "1.50 GiB"
-    assert el.memory.format_bytes(512 * 2**20) == "512.0 MiB"
-    assert el.memory.format_bytes(-2048) == "-2.00 KiB"
-    assert el.memory.format_bytes(12) == "12 B"
+    assert el.memory._units.format_bytes(3 * 2**29) == "1.50 GiB"
+    assert el.memory._units.format_bytes(512 * 2**20) == "512.0 MiB"
+    assert el.memory._units.format_bytes(-2048) == "-2.00 KiB"
+    assert el.memory._units.format_bytes(12) == "12 B"
 
 
 # ------------------------------------------------------------- issues 10 to 15: new behaviour
@@ -353,7 +353,7 @@ def test_an_equinox_mlp_shows_modules_not_primitives_and_no_negative_part():
     text = str(report)
     assert "(select_n)" not in text and "(max)" not in text and "(exp)" not in text
     part_lines = [line for line in text.splitlines() if "%" in line]
-    assert len(part_lines) == len(el.memory.PARTS)
+    assert len(part_lines) == len(el.memory._result.PARTS)
     assert not [line for line in part_lines if "-" in line.split()[-2]]
 
 
@@ -481,7 +481,7 @@ def test_per_device_report_and_plan_over_a_mesh_of_four():
 @pytest.mark.parametrize("bad", [2.5, True, None, [1]])
 def test_parse_size_refuses_what_is_not_an_int_or_text(bad):
     with pytest.raises(TypeError, match="size must be an int"):
-        el.memory.parse_size(bad)
+        el.memory._units.parse_size(bad)
 
 
 def test_offloaded_names_on_cpu_count_on_the_device_and_say_so(sgd_reports):

@@ -13,7 +13,8 @@ import pytest
 
 import eqx_lowmem as el
 from eqx_lowmem.nn._attention import attention
-from eqx_lowmem.precision import PRESETS, Policy, dynamic_loss_scale
+from eqx_lowmem.precision import Policy, dynamic_loss_scale
+from eqx_lowmem.precision._policy import PRESETS
 
 from .helpers import tree_allclose
 
@@ -332,9 +333,9 @@ def test_stochastic_round_is_unbiased_between_neighbours(dtype):
     )
     frac = jnp.asarray([0.25, 0.5, 0.9, 0.1], jnp.float32)
     x = base.astype(jnp.float32) + frac * step  # between two neighbours
-    y = el.precision.stochastic_round(jnp.broadcast_to(x, (n, 4)), dtype, jr.PRNGKey(0)).astype(
-        jnp.float32
-    )
+    y = el.precision._rounding.stochastic_round(
+        jnp.broadcast_to(x, (n, 4)), dtype, jr.PRNGKey(0)
+    ).astype(jnp.float32)
     lo, hi = base.astype(jnp.float32), base.astype(jnp.float32) + step
     assert bool(jnp.all((y == lo[None, :]) | (y == hi[None, :])))
     p_up = jnp.mean((y == hi[None, :]).astype(jnp.float32), axis=0)
@@ -345,14 +346,14 @@ def test_stochastic_round_is_unbiased_between_neighbours(dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_stochastic_round_keeps_exact_and_special_values(dtype):
     x = jnp.asarray([1.0, -0.5, 0.0, 2.0**-20, jnp.inf, -jnp.inf, jnp.nan], jnp.float32)
-    y = el.precision.stochastic_round(jnp.broadcast_to(x, (100, 7)), dtype, jr.PRNGKey(0))
+    y = el.precision._rounding.stochastic_round(jnp.broadcast_to(x, (100, 7)), dtype, jr.PRNGKey(0))
     assert y.dtype == dtype
     expected = np.broadcast_to(np.asarray(x.astype(dtype), np.float32), (100, 7))
     assert np.array_equal(np.asarray(y, np.float32), expected, equal_nan=True)
     # Past the largest finite number: that number or infinity, never nan.
     top = float(jnp.finfo(dtype).max)
     big = jnp.asarray([top * 1.001, -top * 1.001, top * 1.003], jnp.float32)
-    y = np.asarray(el.precision.stochastic_round(big, dtype, jr.PRNGKey(1)), np.float32)
+    y = np.asarray(el.precision._rounding.stochastic_round(big, dtype, jr.PRNGKey(1)), np.float32)
     assert np.all(np.isin(np.abs(y), [np.float32(top), np.inf])) and np.all(
         np.sign(y) == np.sign(np.asarray(big))
     )
@@ -419,7 +420,7 @@ def test_half_state_stochastic_rounding_lets_a_slow_average_decay():
         update = jax.jit(opt.update)
         for i in range(300):
             _, state = update(ones if i < 10 else zeros, state)
-        leaves = state.inner if isinstance(state, el.precision.HalfState) else state
+        leaves = state.inner if isinstance(state, el.precision._optim.HalfState) else state
         return jax.tree.leaves(leaves)[0].astype(jnp.float32)
 
     exact = nu(inner)
@@ -732,6 +733,6 @@ def test_stochastic_rounding_to_an_integer_dtype_is_refused():
     x = jnp.asarray([0.5, 1.5])
     for dtype in (jnp.int8, jnp.int32, jnp.float64, "int4"):
         with pytest.raises(ValueError, match="floating-point dtype of at most 32 bits"):
-            el.precision.stochastic_round(x, dtype, jr.PRNGKey(0))
+            el.precision._rounding.stochastic_round(x, dtype, jr.PRNGKey(0))
     with pytest.raises(ValueError, match="integer type"):
-        el.precision.stochastic_round_tree({"a": x}, jnp.int16, jr.PRNGKey(0))
+        el.precision._rounding.stochastic_round_tree({"a": x}, jnp.int16, jr.PRNGKey(0))

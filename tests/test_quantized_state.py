@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import eqx_lowmem as el
-from eqx_lowmem.precision import QuantizedArray, dynamic_code, quantized_state
-from eqx_lowmem.precision._quantized import quantize
+from eqx_lowmem.precision import quantized_state
+from eqx_lowmem.precision._quantized import QuantizedArray, dynamic_code, quantize
 
 from .helpers import compile_as_users
 

@@ -112,14 +112,14 @@ def test_without_remat_the_feed_forward_input_is_kept(getkey):
     kept = _kept(False, getkey)
     names = {r.name for r in kept}
     assert {"ffn_in", "ffn_hidden", "qkv" if False else "attn_in"} <= names
-    assert el.memory.residual_bytes(kept) > 6 * 16 * 4 * 5
+    assert el.memory._residuals.residual_bytes(kept) > 6 * 16 * 4 * 5
 
 
 @pytest.mark.parametrize(
     "remat, names",
     [
-        ("dots", set(el.nn.DOTS_NAMES) - {"ffn_out"}),  # ffn_out is never needed backward
-        ("minimal", set(el.nn.MINIMAL_NAMES)),
+        ("dots", set(el.nn._remat.DOTS_NAMES) - {"ffn_out"}),  # ffn_out is never needed backward
+        ("minimal", set(el.nn._remat.MINIMAL_NAMES)),
         (el.nn.Save("attn_context", "ffn_in"), {"attn_context", "ffn_in"}),
     ],
 )
@@ -201,8 +201,11 @@ def test_offloaded_residuals_are_placed_on_the_host(getkey, capsys):
 
 def test_transformer_block_presets_are_declared():
     names, presets = el.nn._remat.module_remat_names(el.nn.TransformerBlock)
-    assert names == el.nn.BLOCK_NAMES
-    assert presets["dots"] == el.nn.DOTS_NAMES and presets["minimal"] == el.nn.MINIMAL_NAMES
+    assert names == el.nn._remat.BLOCK_NAMES
+    assert (
+        presets["dots"] == el.nn._remat.DOTS_NAMES
+        and presets["minimal"] == el.nn._remat.MINIMAL_NAMES
+    )
     with pytest.raises(ValueError, match="offload_me"):
         el.nn.TransformerBlock(
             8, 2, 8, key=jr.PRNGKey(0), remat=el.nn.Save(offload=("offload_me",))

@@ -596,7 +596,7 @@ def test_rewiring_zeroes_the_slots_of_8_bit_moments(getkey):
     layer = state.model.layers[1]
     for moment in (adam.mu, adam.nu):
         packed = moment.layers[1].values
-        assert isinstance(packed, el.precision.QuantizedArray)
+        assert isinstance(packed, el.precision._quantized.QuantizedArray)
         m = np.asarray(packed.dense())
         v = np.asarray(layer.values)
         live = np.asarray(layer.indices) < layer.size

@@ -303,4 +303,4 @@ def test_save_offload_validation():
         el.nn.Save("a", offload=("a",))
     with pytest.raises(TypeError, match="tuple of str|offload"):
         el.nn.Save("a", offload="b")
-    assert "minimal_offloaded" in el.nn.PRESETS
+    assert "minimal_offloaded" in el.nn._remat.PRESETS

@@ -127,11 +127,11 @@ def test_stateful_step_uses_the_real_micro_batches_never_padding(getkey):
 
 
 def test_mean_gradient_zero_weight_and_nonfinite():
-    sums = el.train.Sums({"w": jnp.ones(3)}, jnp.float32(0.0), jnp.float32(0.0), None)
+    sums = el.train._accumulate.Sums({"w": jnp.ones(3)}, jnp.float32(0.0), jnp.float32(0.0), None)
     mean = mean_gradient(sums, jnp.float32(2.0))
     assert float(mean.loss) == 0.0 and bool(mean.finite)
     np.testing.assert_allclose(mean.grads["w"], 0.5)
-    bad = el.train.Sums({"w": jnp.array([1.0, jnp.inf, 0.0])}, jnp.float32(1.0),
+    bad = el.train._accumulate.Sums({"w": jnp.array([1.0, jnp.inf, 0.0])}, jnp.float32(1.0),
                         jnp.float32(1.0), None)  # fmt: skip
     assert not bool(mean_gradient(bad, jnp.float32(1.0)).finite)
 

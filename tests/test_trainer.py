@@ -255,7 +255,7 @@ def test_checkpoints_on_time_keep_the_last_few(tmp_path):
         assert meta["updates"] == updates == int(state.step)
     # One call loads the model for inference, from a model of the same shape.
     fresh = el.nn.mlp([2, 4, 1], key=jr.PRNGKey(5))
-    loaded = el.train.load_model(tmp_path / el.train.CHECKPOINT_NAME, fresh)
+    loaded = el.train.load_model(tmp_path / el.train._checkpoint.CHECKPOINT_NAME, fresh)
     assert tree_allclose(loaded, trainer.model, rtol=0, atol=0)
 
 

@@ -417,7 +417,7 @@ def test_sparse_variants_change_only_the_sparsity_they_name():
 
     def build(name):
         step = quality.make_config_step(name, cfg)
-        layers = el.sparse.sparse_layers(quality.init_state(name, 0, cfg, step).model)
+        layers = el.sparse._convert.sparse_layers(quality.init_state(name, 0, cfg, step).model)
         nnz = [int(np.sum(layer.nnz())) for _, layer in layers]
         slots = [layer.capacity * max(1, int(np.prod(layer.stack_shape))) for _, layer in layers]
         size = [layer.size * max(1, int(np.prod(layer.stack_shape))) for _, layer in layers]

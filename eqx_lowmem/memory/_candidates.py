@@ -19,7 +19,7 @@ class Candidate:
     """One combination the planner compiled.
 
     Attributes:
-        remat: the `remat` given to `make_model` (an `eqx_lowmem.nn.PRESETS` name, a bool,
+        remat: the `remat` given to `make_model` (a remat preset name, a bool,
             or a `Save`).
         accumulate: number of micro-batches per batch.
         precision: the precision preset's name (or the `Policy`'s repr).

@@ -8,7 +8,8 @@
 - `lm`: the README's language model, `eqx_lowmem.nn.CausalLM(vocab, seq, layers, d_model,
   heads, d_ff)`, trained with `eqx_lowmem.train.next_token_loss` on int32 token ids of
   shape (batch, seq + 1).
-- `module:function`: your own. `function(remat)` (remat is one of `eqx_lowmem.nn.PRESETS`)
+- `module:function`: your own. `function(remat)` (remat is one of `"none"`, `"full"`,
+  `"dots"`, `"minimal"`, `"minimal_offloaded"`)
   returns `(model, loss_fn, batch)` or `(model, loss_fn, batch, optimizer)`: the model
   built with that recomputation setting, a loss for `eqx_lowmem.train.make_step`
   (`loss_fn(model, *batch)` returning per-sample values), and one whole batch as a tuple of

@@ -11,7 +11,7 @@ from typing import Any
 
 import optax
 
-from ..nn import PRESETS as REMAT_PRESETS
+from ..nn._remat import PRESETS as REMAT_PRESETS
 from ..precision._policy import PRESETS as PRECISION_PRESETS
 from ..train._make_step import SHARDS
 from ._plan import ACCUMULATES, PEAKS, PRECISIONS

@@ -124,9 +124,9 @@ def model_attention(model: PyTree, dtype: Any, backend: str) -> dict[str, str] |
     """What each attention setting of `model`'s blocks runs as: `{"auto": "chunked"}`.
 
     Blocks are the modules with an `attention` field; `resolved_attention(dtype, backend)`
-    (or `eqx_lowmem.nn.resolve_attention`) says what `"auto"` chose. None without any.
+    (or `eqx_lowmem.nn._attention.resolve_attention`) says what `"auto"` chose. None without any.
     """
-    from ..nn import resolve_attention
+    from ..nn._attention import resolve_attention
 
     out: dict[str, str] = {}
     for m in _modules(model, "attention"):
@@ -145,7 +145,7 @@ def model_density(model: PyTree) -> float | None:
     allocate slots for (capacity over dense size: what memory follows; shapes suffice);
     None without sparse layers."""
     try:
-        from ..sparse import sparse_layers
+        from ..sparse._convert import sparse_layers
     except ImportError:
         return None
     layers = [layer for _, layer in sparse_layers(model)]

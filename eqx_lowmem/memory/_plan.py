@@ -14,7 +14,7 @@ import optax
 from jax.sharding import Mesh
 from jaxtyping import PRNGKeyArray, PyTree
 
-from ..nn import PRESETS as REMAT_PRESETS
+from ..nn._remat import PRESETS as REMAT_PRESETS
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy, get_policy
 from ..train._make_step import SHARDS
@@ -102,8 +102,8 @@ def plan(
     How "fastest" is judged: by default by an estimate of the step's time on the device kind
     planned for (`rank_for`; by default the backend compiled on, or a GPU with
     `peak="accelerator"` on XLA:CPU): the arithmetic each step asks for, counted on its
-    jaxpr with every loop as many times as it runs (`eqx_lowmem.memory.jaxpr_cost`), each
-    kind at its rate (`eqx_lowmem.memory.THROUGHPUTS`: on a GPU 16-bit matrix products run
+    jaxpr with every loop as many times as it runs , each
+    kind at its rate (on a GPU 16-bit matrix products run
     at twice float32's rate, on XLA:CPU at half of it). With a GPU `target` (`"h100"`,
     `"a100-40gb"`, ...) every candidate is compiled for that GPU, on any machine, and ranked
     for a GPU; the budget defaults to what XLA may use of its memory. Recomputation adds
@@ -136,12 +136,13 @@ def plan(
             Default: the target's memory times the share XLA may use (JAX's default 0.75,
             or `XLA_PYTHON_CLIENT_MEM_FRACTION`; `Target(..., mem_fraction=)`), as the plan
             says (`Plan.budget_from`); needed for a target of unknown memory (XLA:CPU).
-        remats: recomputation settings to try. Default: every `eqx_lowmem.nn.PRESETS` name;
+        remats: recomputation settings to try. Default: every remat preset (`"none"`, `"full"`,
+            `"dots"`, `"minimal"`, `"minimal_offloaded"`);
             on XLA:CPU without `"minimal_offloaded"` (the CPU drops its host placement, so
             it compiles to `"minimal"` there).
         accumulates: numbers of micro-batches to try (ints >= 1); those that do not divide
             the batch (times the devices) are skipped (listed in `Plan.skipped`).
-        precisions: `eqx_lowmem.precision.PRESETS` names or `Policy`s to try.
+        precisions: precision preset names or `Policy`s to try.
         densities: sparse densities to try, `None` for the dense model: each other value
             makes the model sparse with `eqx_lowmem.sparse.sparsify(model, density, key=key)`.
         mesh: plan per device of this mesh (`memory_report`'s).

@@ -31,7 +31,7 @@ gets the whole-model form of each feature instead, with no error and no warning.
   the accumulator (`memory_report` counts it under "gradients").
 """
 
-from ._attention import ATTENTIONS as ATTENTIONS, resolve_attention as resolve_attention
+from .._deprecated import moved as _moved
 from ._batch_eval import apply_with_batch_statistics as apply_with_batch_statistics
 from ._block import TransformerBlock as TransformerBlock
 from ._encoder import (
@@ -43,11 +43,20 @@ from ._lm import CausalLM as CausalLM
 from ._mlp import MLP as MLP, mlp as mlp
 from ._norm import BatchNorm as BatchNorm, GroupNorm as GroupNorm, LayerNorm as LayerNorm
 from ._remat import (
-    BLOCK_NAMES as BLOCK_NAMES,
-    DOTS_NAMES as DOTS_NAMES,
-    MINIMAL_NAMES as MINIMAL_NAMES,
-    PRESETS as PRESETS,
     Save as Save,
 )
 from ._stack import Stack as Stack, stack as stack
-from ._wrn import WideBlock as WideBlock, WideResNet as WideResNet
+from ._wrn import WideResNet as WideResNet
+
+__getattr__ = _moved(
+    __name__,
+    {
+        "ATTENTIONS": "_attention",
+        "BLOCK_NAMES": "_remat",
+        "DOTS_NAMES": "_remat",
+        "MINIMAL_NAMES": "_remat",
+        "PRESETS": "_remat",
+        "WideBlock": "_wrn",
+        "resolve_attention": "_attention",
+    },
+)

@@ -40,7 +40,7 @@ class TransformerBlock(eqx.Module):
     of GELU keep only their inputs. Dropout (when `dropout > 0` and a key is
     passed) applies to the output of each sub-layer before its residual add.
 
-    Checkpoint names (`eqx_lowmem.nn.BLOCK_NAMES`), which `remat=Save(...)` may keep:
+    Checkpoint names, which `remat=Save(...)` may keep:
     `attn_in` (LayerNorm 1 output), `qkv`, `attn_context` (softmax(qk^T)v, heads merged),
     `attn_out`, `ffn_in` (LayerNorm 2 output), `ffn_hidden` (before the activation), `ffn_out`.
 
@@ -65,7 +65,7 @@ class TransformerBlock(eqx.Module):
     Recomputation saves memory reliably only when the blocks run in a `jax.lax.scan` (see
     `transformer_encoder`); in an unrolled loop XLA may schedule the recomputation early.
 
-    `attention` chooses how softmax(q k^T) v is computed (`eqx_lowmem.nn.resolve_attention`
+    `attention` chooses how softmax(q k^T) v is computed (`resolve_attention`
     says what `"auto"` runs for a dtype and backend; the numbers agree to rounding):
 
     - `"chunked"`: by hand, over chunks of `chunk_size` queries when chunking is on (each
@@ -176,8 +176,8 @@ class TransformerBlock(eqx.Module):
 
     def resolved_attention(self, dtype: object, backend: str | None = None) -> str:
         """What `attention` runs as for activations of `dtype` on `backend` (default: the
-        default backend): `eqx_lowmem.nn.resolve_attention` with this block's head dimension
-        and attention dropout."""
+        default backend): `resolve_attention` (private) with this block's head
+        dimension and attention dropout."""
         return resolve_attention(
             self.attention,
             dtype,

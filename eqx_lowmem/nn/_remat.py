@@ -84,7 +84,7 @@ class Save:
         Save('attn_out', offload=('qkv',))
 
     The names must be checkpoint names of the module it is given to (for a
-    `TransformerBlock`: `eqx_lowmem.nn.BLOCK_NAMES`); an unknown name is an error when the
+    `TransformerBlock`: those its docstring lists); an unknown name is an error when the
     module is built.
     """
 

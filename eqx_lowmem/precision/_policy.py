@@ -125,7 +125,8 @@ PRESETS: dict[str, Policy] = {
 
 
 def get_policy(policy: str | Policy | None) -> Policy:
-    """A `Policy` from a preset name (`eqx_lowmem.precision.PRESETS`), a `Policy`, or None.
+    """A `Policy` from a preset name (`"float32"`, `"mixed_bf16"`, `"mixed_fp16"`,
+    `"half_bf16"`, `"half_fp16"`), a `Policy`, or None.
 
     Raises:
         ValueError: for an unknown preset name.

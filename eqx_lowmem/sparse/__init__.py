@@ -8,25 +8,32 @@ optimizer's state) are the non-zero weights only, and rewiring hooks for the tra
 - `stats`, `density`, `sparse_layers`: what the sparse layers hold.
 """
 
+from .._deprecated import moved as _moved
 from ._convert import (
-    SparseStats as SparseStats,
     densify as densify,
     density as density,
-    erk_densities as erk_densities,
-    sparse_layers as sparse_layers,
     sparsify as sparsify,
     stats as stats,
 )
 from ._layers import (
     SparseConv2d as SparseConv2d,
     SparseLinear as SparseLinear,
-    is_sparse as is_sparse,
 )
 from ._rules import (
-    DSRState as DSRState,
-    allocate as allocate,
     dsr as dsr,
     rigl as rigl,
     set_ as set_,
 )
-from ._storage import index_dtype as index_dtype
+
+__getattr__ = _moved(
+    __name__,
+    {
+        "DSRState": "_rules",
+        "SparseStats": "_convert",
+        "allocate": "_rules",
+        "erk_densities": "_convert",
+        "index_dtype": "_storage",
+        "is_sparse": "_layers",
+        "sparse_layers": "_convert",
+    },
+)

@@ -63,7 +63,7 @@ def make_step(
         optimizer: any optax optimizer; clipping and schedules in it act on the accumulated
             gradient, once per update.
         accumulate: number of micro-batches per batch.
-        precision: a preset of `eqx_lowmem.precision.PRESETS` (`"float32"`, `"mixed_bf16"`,
+        precision: a preset name (`"float32"`, `"mixed_bf16"`,
             `"mixed_fp16"`, `"half_bf16"`, `"half_fp16"`) or a `Policy`. With a 16-bit
             compute dtype, the parameters of scanned stacks (`eqx_lowmem.nn.Stack`,
             `transformer_encoder`) are cast one block at a time inside the scan, so only one

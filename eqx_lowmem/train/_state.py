@@ -28,7 +28,7 @@ class TrainState(eqx.Module):
         model_state: `eqx.nn.State` of stateful layers (BatchNorm), or None.
         loss_scale: the `DynamicLossScale`, or None.
         hook_state: what the `after_update` hook keeps between steps (DSR's threshold:
-            `eqx_lowmem.sparse.DSRState`), from the hook's `init(model)`; None for a
+            `dsr`'s state), from the hook's `init(model)`; None for a
             hook without `init`, or without a hook.
     """
 
