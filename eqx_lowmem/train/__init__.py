@@ -10,6 +10,8 @@ from ._checkpoint import (
     save_checkpoint as save_checkpoint,
 )
 from ._chunked import chunked_cross_entropy as chunked_cross_entropy
+from ._config import StepConfig as StepConfig
+from ._hooks import Hook as Hook, StepInfo as StepInfo
 from ._lock import DirectoryLockedError as DirectoryLockedError, lock_directory as lock_directory
 from ._loss import LossOutput as LossOutput, call_loss as call_loss, mean_loss as mean_loss
 from ._losses import (
