@@ -120,7 +120,7 @@ class Trainer:
         check_resume: bool = True,
         callback: Callable[["Trainer", dict[str, Any]], None] | None = None,
         log_dir: str | os.PathLike | None = None,
-        hooks: Sequence[Hook] = (),
+        hooks: Sequence[Any] = (),
         step_config: StepConfig | None = None,
     ):
         """Args:
