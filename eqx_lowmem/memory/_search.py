@@ -11,7 +11,7 @@ import optax
 from jax.sharding import Mesh
 
 from ..precision._policy import Policy
-from ..train._make_step import make_step
+from ..train._config import StepConfig
 from ._candidates import Candidate, rank_key
 from ._cost import Cost, Throughput, jaxpr_cost, relative_time
 from ._inspect import precision_name, tree_bytes
@@ -64,26 +64,24 @@ class Compiler:
 
     loss_fn: Callable[..., Any]
     optimizer: optax.GradientTransformation
-    loss_scale: Any
-    mesh: Mesh | None
-    data_axis: str
+    config: StepConfig  # the step's options; its accumulate, precision and shard searched
     structs: Any
     key: Any
     remats: tuple
     target: Target
     reports: dict[tuple, MemoryReport] = dataclasses.field(default_factory=dict)
 
+    @property
+    def mesh(self) -> Mesh | None:
+        return self.config.mesh
+
+    @property
+    def data_axis(self) -> str:
+        return self.config.data_axis
+
     def step(self, accumulate: int, policy: Policy, shard: str) -> Any:
-        return make_step(
-            self.loss_fn,
-            self.optimizer,
-            accumulate=accumulate,
-            precision=policy,
-            loss_scale=self.loss_scale,
-            mesh=self.mesh,
-            data_axis=self.data_axis,
-            shard=shard,
-        )
+        config = self.config.replace(accumulate=accumulate, precision=policy, shard=shard)
+        return config.build(self.loss_fn, self.optimizer)
 
     def _state(self, model: Any, step: Any) -> Any:
         return eqx.filter_eval_shape(lambda m: step.init(m, key=self.key), model)

@@ -426,15 +426,10 @@ class Trainer:
 
     def _checkpoints(self) -> Checkpoints:
         assert self.checkpoint_dir is not None
-        return Checkpoints(
-            self.checkpoint_dir,
-            format=self.checkpoint_format,
-            every=self.checkpoint_every,
-            seconds=self.checkpoint_seconds,
-            keep=self.keep_checkpoints,
-            check_resume=self.check_resume,
-            sharded=self.shard == "fsdp",
-        )
+        return Checkpoints(self.checkpoint_dir, format=self.checkpoint_format,
+                           every=self.checkpoint_every, seconds=self.checkpoint_seconds,
+                           keep=self.keep_checkpoints, check_resume=self.check_resume,
+                           sharded=self.shard == "fsdp")  # fmt: skip
 
     def _hooks(self, eval_stream: DataStream | None, eval_every: int | None,
                checkpoints: Checkpoints | None) -> list[Hook]:  # fmt: skip
@@ -571,11 +566,10 @@ class Trainer:
             request_stop=self._stop,
         )
 
-    def _state_after(self, update: int) -> TrainState | None:
-        """The state after update `update` while it is the newest, else None."""
+    def _state_after(self, update: int) -> TrainState | None:  # `StepInfo.state`
         return self.state if update == self.updates else None
 
-    def _stop(self) -> None:
+    def _stop(self) -> None:  # `StepInfo.stop`
         if self._run is not None:
             self._run.stop = True
 
