@@ -191,3 +191,27 @@ def test_hooks_that_are_not_hooks_are_refused():
         _trainer(hooks=Recorder())
     with pytest.raises(TypeError, match=r"hooks\[0\] \(object\) lacks"):
         _trainer(hooks=[object()])
+
+
+def test_the_readmes_hook_example_logs_and_stops_early(capsys):
+    # The README's code as written, on a model and data of its sizes (784 inputs, 10
+    # classes): its logger prints every 10th update, its early stop ends the run.
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "README.md").read_text()
+    after = text[text.index("<!-- hook-example -->") :]
+    start = after.index("```python\n") + len("```python\n")
+    code = after[start : after.index("```", start)]
+    x = jr.normal(jr.PRNGKey(2), (256, 784))
+    labels = jnp.argmax(x[:, :10], axis=1)
+    scope = {"el": el, "jnp": jnp, "jr": jr, "optax": optax, "X": x, "y": labels,
+             "my_model": el.nn.mlp([784, 32, 10], key=jr.PRNGKey(0)),
+             "loss": el.train.cross_entropy}  # fmt: skip
+    exec(code, scope)
+    trainer, history = scope["trainer"], scope["history"]
+    assert trainer.progress is True and trainer.hooks[1].target == 0.1
+    epochs = len(history["train_loss"])
+    assert 1 <= epochs < 50 and history["train_loss"][-1] < 0.1 <= min(history["train_loss"][:-1])
+    assert trainer.updates == 2 * epochs  # 256 samples, updates of 4 x 32
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("update ")]
+    assert [int(ln.split()[1].rstrip(":")) for ln in lines] == list(range(10, 2 * epochs + 1, 10))
