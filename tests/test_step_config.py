@@ -15,6 +15,8 @@ import pytest
 import eqx_lowmem as el
 from eqx_lowmem.precision import get_policy
 
+from .test_trainer import _Normed, _normed_loss  # a Linear and BatchNorm, and its loss
+
 
 def keep(state, info):  # an after_update hook that changes nothing
     return state
@@ -123,24 +125,6 @@ def test_every_field_reaches_the_trainer_memory_report_and_plan():
                     name,
                     where,
                 )
-
-
-class _Normed(eqx.Module):
-    linear: eqx.nn.Linear
-    norm: eqx.nn.BatchNorm
-
-    def __init__(self, key):
-        self.linear = eqx.nn.Linear(2, 3, key=key)
-        self.norm = eqx.nn.BatchNorm(3, axis_name="batch", mode="batch")
-
-
-def _normed_loss(model, state, x, y):
-    def one(x, state):
-        h, state = model.norm(model.linear(x), state)
-        return jnp.sum(h, keepdims=True), state
-
-    pred, state = jax.vmap(one, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(x, state)
-    return jnp.mean((pred - y) ** 2, axis=-1), state
 
 
 def test_has_state_reaches_the_trainer_and_memory_report_and_plan_refuses_it():
