@@ -69,6 +69,10 @@ class Trainer:
     the end and on Ctrl-C, keeps the last `keep_checkpoints` files, and a rerun of the same
     script resumes bit for bit where the last checkpoint left off.
 
+    Everything optional in a run (checkpoints, Ctrl-C, evaluation, progress, TensorBoard,
+    `callback`) is a `Hook` built from the arguments; `hooks=[...]` adds your own (a
+    logger, early stopping) without any change here.
+
     The Trainer holds the model once, in `trainer.state` (its parameters, optimizer state,
     PRNG key and loss scale); a second `fit` continues from it. Its steps donate the state's
     buffers, so a model read from `trainer.model` (or `model_state`) before a later `fit`
