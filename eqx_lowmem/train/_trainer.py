@@ -69,9 +69,8 @@ class Trainer:
     the end and on Ctrl-C, keeps the last `keep_checkpoints` files, and a rerun of the same
     script resumes bit for bit where the last checkpoint left off.
 
-    Everything optional in a run (checkpoints, Ctrl-C, evaluation, progress, TensorBoard,
-    `callback`) is a `Hook` built from the arguments; `hooks=[...]` adds your own (a
-    logger, early stopping) without any change here.
+    Everything optional (checkpoints, Ctrl-C, evaluation, progress, TensorBoard, `callback`)
+    is a `Hook` built from the arguments; `hooks=[...]` adds your own (a logger, a stop).
 
     The Trainer holds the model once, in `trainer.state` (its parameters, optimizer state,
     PRNG key and loss scale); a second `fit` continues from it. Its steps donate the state's
@@ -437,9 +436,8 @@ class Trainer:
 
     def _hooks(self, eval_stream: DataStream | None, eval_every: int | None,
                checkpoints: Checkpoints | None) -> list[Hook]:  # fmt: skip
-        """One `fit`'s hooks, in the order they are called: evaluation first (the others
-        hear its loss), then progress, TensorBoard, `callback`, the user's own, the
-        checkpoints (saving what those recorded) and stop signals (after the last save)."""
+        """One `fit`'s hooks in call order: evaluation (the others hear its loss), progress,
+        TensorBoard, `callback`, yours, checkpoints (saving all that), stop signals."""
         hooks: list[Hook] = []
         if eval_stream is not None:
             hooks.append(Evaluation(self.evaluate, eval_stream, eval_every))
@@ -573,7 +571,7 @@ class Trainer:
     def _state_after(self, update: int) -> TrainState | None:  # `StepInfo.state`
         return self.state if update == self.updates else None
 
-    def _stop(self) -> None:  # `StepInfo.stop`
+    def _stop(self) -> None:  # `StepInfo.stop`: the loop ends after the update in flight
         if self._run is not None:
             self._run.stop = True
 
