@@ -271,8 +271,8 @@ def check_model_accepts(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x,
         (state.model, state.model_state),
     )
-    seen = _shapes_key(model, model_state, specs) if traced is not None else None
-    if seen is not None and seen in traced:
+    seen = None if traced is None else _shapes_key(model, model_state, specs)
+    if traced is not None and seen in traced:
         return
     try:
         eqx.filter_eval_shape(trace, model, model_state, specs, jr.PRNGKey(0))
@@ -283,7 +283,7 @@ def check_model_accepts(
             f"(called as the step calls it, with a key if the loss takes one): "
             f"{type(e).__name__}: {e}"
         ) from e
-    if seen is not None:
+    if traced is not None and seen is not None:
         traced.add(seen)
 
 

@@ -590,10 +590,9 @@ class Trainer:
         assert stream is not None
         model, model_state = self._held()
         dtype = self.step_fn.policy.compute_dtype
-        check = None
-        if self.check_data:
 
-            def check(batch: tuple) -> None:
-                check_data(self.loss, model, batch, dtype)
+        def check(batch: tuple) -> None:  # as training batches are: NaN, labels out of range
+            check_data(self.loss, model, batch, dtype)
 
-        return mean_loss(self._eval_fn, model, model_state, stream, check)
+        return mean_loss(self._eval_fn, model, model_state, stream,
+                         check if self.check_data else None)  # fmt: skip
