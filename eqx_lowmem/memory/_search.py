@@ -8,7 +8,6 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 import optax
-from jax.sharding import Mesh
 
 from ..precision._policy import Policy
 from ..train._config import StepConfig
@@ -71,14 +70,6 @@ class Compiler:
     target: Target
     reports: dict[tuple, MemoryReport] = dataclasses.field(default_factory=dict)
 
-    @property
-    def mesh(self) -> Mesh | None:
-        return self.config.mesh
-
-    @property
-    def data_axis(self) -> str:
-        return self.config.data_axis
-
     def step(self, accumulate: int, policy: Policy, shard: str) -> Any:
         config = self.config.replace(accumulate=accumulate, precision=policy, shard=shard)
         return config.build(self.loss_fn, self.optimizer)
@@ -95,12 +86,13 @@ class Compiler:
         state = self._state(model, step)
         floor = 0
         if budget is not None:
-            shardings = None if self.mesh is None else step.state_shardings(state)
+            shardings = None if self.config.mesh is None else step.state_shardings(state)
             local = sum(
                 int(np.prod(x.shape if s is None else s.shard_shape(x.shape))) * x.dtype.itemsize
                 for x, s in _pairs(state, shardings)
             )
-            devices = 1 if self.mesh is None else int(self.mesh.shape.get(self.data_axis, 1))
+            mesh = self.config.mesh
+            devices = 1 if mesh is None else int(mesh.shape.get(self.config.data_axis, 1))
             floor = int(local + tree_bytes(self.structs) // devices)
             if floor > budget:
                 return floor, None
@@ -129,8 +121,8 @@ class Compiler:
                 key=self.key,
                 name=name,
                 twin=twin,
-                mesh=self.mesh,
-                data_axis=self.data_axis,
+                mesh=self.config.mesh,
+                data_axis=self.config.data_axis,
                 shard=shard,
                 target=self.target,
             )
