@@ -90,6 +90,7 @@ def run_ahead(items: Iterable[T], put: Callable[[T], U], depth: int) -> Generato
             yield value
     finally:
         stop.set()
+        slots.release()  # a producer waiting for a slot sees `stop` now, not at its next poll
         thread.join()
 
 

@@ -17,6 +17,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from ..nn._remat import PRESETS as REMAT_PRESETS
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy, get_policy
+from ..train._config import StepConfig, step_config as resolve_step_config
 from ..train._make_step import SHARDS
 from ._candidates import BudgetError, Plan, _choose, _throughput
 from ._cost import THROUGHPUTS, Throughput
@@ -92,6 +93,7 @@ def plan(
     key: PRNGKeyArray | None = None,
     progress: Callable[[str], None] | None = None,
     prune: bool = True,
+    step_config: StepConfig | None = None,
 ) -> Plan:
     """The fastest combination of remat, micro-batches, precision (and, with a mesh,
     sharding; with densities, sparsity) that fits `budget`.
@@ -170,6 +172,13 @@ def plan(
             fraction of a compile). `Plan.pruned` lists the rest; `Plan.within` then
             answers only for budgets the pruned ones cannot change. `prune=False` compiles
             every candidate (a table of them all; `within` for any budget).
+        step_config: the step's other options in one `eqx_lowmem.train.StepConfig` (the
+            value a `Trainer` and `memory_report` take), instead of `mesh`, `data_axis`
+            and `loss_scale` (then left at their defaults): every candidate is that step
+            with the `accumulate`, `precision` and `shard` searched (`accumulates`,
+            `precisions`, `shards`), its `accumulate_dtype`, `fuse_accumulation` and
+            `after_update` hook (and its state) included. A stateful model
+            (`has_state=True`) is not planned.
 
     Returns:
         A `Plan`: `plan.best` (its `remat`, `accumulate`, `precision`, `report`),
@@ -197,6 +206,13 @@ def plan(
     """
     if isinstance(make_model, eqx.Module) or not callable(make_model):
         raise TypeError(_MAKE_MODEL.format(got=type(make_model).__name__))
+    config = resolve_step_config(step_config, mesh=mesh, data_axis=data_axis, loss_scale=loss_scale)
+    if config.has_state:
+        raise ValueError(
+            "plan does not plan a stateful model (step_config.has_state=True): report on its "
+            "step with el.memory.memory_report(..., model_state=..., step_config=...)."
+        )
+    mesh, data_axis = config.mesh, config.data_axis
     if target in PEAKS:  # the name of `peak` before targets were devices
         warnings.warn(
             f"plan(target={target!r}) is now plan(peak={target!r}); target= names the device "
@@ -228,7 +244,7 @@ def plan(
         for accumulate in usable
         for shard in shards
     ]
-    compiler = Compiler(loss_fn, optimizer, loss_scale, mesh, data_axis, structs, key, remats,
+    compiler = Compiler(loss_fn, optimizer, config.replace(mesh=mesh), structs, key, remats,
                         target)  # fmt: skip
     search = Search(compiler, make_model, budget_bytes, peak, measure, steps, progress, len(specs))
     if prune:

@@ -16,7 +16,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy
-from ..train._make_step import make_step
+from ..train._config import StepConfig, step_config as resolve_step_config
 from ._activations import fused_slots, group_residuals, micro_residuals
 from ._compile import compile_step, memory_figures
 from ._cost import jaxpr_cost
@@ -181,9 +181,22 @@ def _config(step, model, state, structs, name, remat, attention, devices, shard)
         "density": model_density(model),
         "devices": devices,
         "shard": shard,
+        # The rest of the step's options (`StepConfig`'s), as the built step holds them.
+        "loss_scale": None if step.loss_scale is None else float(step.loss_scale.scale),
+        "has_state": step.has_state,
+        "mesh": None if step.mesh is None else dict(step.mesh.shape),
+        "data_axis": step.data_axis,
+        "after_update": _name(step.config.after_update),
         "batch": [(list(x.shape), str(x.dtype)) for x in jax.tree.leaves(structs)],
         "parameters": sum(x.size for x in jax.tree.leaves(state.model) if is_float(x)),
     }
+
+
+def _name(fn: Any) -> str | None:
+    """A function's name (a hook's class name), or None."""
+    if fn is None:
+        return None
+    return getattr(fn, "__qualname__", type(fn).__qualname__)
 
 
 def _sizes(step, state, shardings, plain, structs, size, groups, devices, key) -> tuple:
@@ -359,6 +372,7 @@ def memory_report(
     key: PRNGKeyArray | None = None,
     measure: bool = False,
     name: str | None = None,
+    step_config: StepConfig | None = None,
 ) -> MemoryReport:
     """Where the memory of one training step goes, before a single step runs.
 
@@ -415,6 +429,10 @@ def memory_report(
             earlier, higher peak hides the step's; run in a fresh process for an exact figure
             (and set `XLA_PYTHON_CLIENT_PREALLOCATE=false`).
         name: a label for tables and plots.
+        step_config: every option of the step in one `eqx_lowmem.train.StepConfig` (the
+            value a `Trainer` takes: the same step), instead of the step's keyword
+            arguments above, which must then be left at their defaults. Its
+            `after_update` hook and the state it keeps are part of the step reported on.
 
     Returns:
         A `MemoryReport`: `print(report)` shows the table, `report.to_dict()` /
@@ -441,34 +459,36 @@ def memory_report(
         >>> sum(report.parts.values()) == report.peak_bytes + report.overlap_bytes
         True
     """
-    target = as_target(target)
-    mesh = target_mesh(target, mesh, data_axis)
-    options: dict[str, Any] = dict(
+    config = resolve_step_config(
+        step_config,
         accumulate=accumulate,
+        precision=precision,
+        loss_scale=loss_scale,
         accumulate_dtype=accumulate_dtype,
         fuse_accumulation=fuse_accumulation,
-        loss_scale=loss_scale,
         has_state=has_state,
         mesh=mesh,
         data_axis=data_axis,
         shard=shard,
     )
-    step = make_step(loss_fn, optimizer, precision=precision, **options)
+    target = as_target(target)
+    config = config.replace(mesh=target_mesh(target, config.mesh, config.data_axis))
+    step = config.build(loss_fn, optimizer)
     common: dict[str, Any] = dict(
-        has_state=has_state,
+        has_state=config.has_state,
         model_state=model_state,
         key=key,
-        mesh=mesh,
-        data_axis=data_axis,
-        shard=shard,
+        mesh=config.mesh,
+        data_axis=config.data_axis,
+        shard=config.shard,
         target=target,
     )
     twin = None
     twin_policy = float32_twin(step.policy, target)
     if twin_policy is not None:
         # The same step computing in float32, for the GPU/TPU estimate (one more compile).
-        twin_step = make_step(
-            loss_fn, optimizer, precision=twin_policy, **{**options, "loss_scale": step.loss_scale}
+        twin_step = config.replace(precision=twin_policy, loss_scale=step.loss_scale).build(
+            loss_fn, optimizer
         )
         twin = step_report(twin_step, loss_fn, model, batch, **common)
     return step_report(step, loss_fn, model, batch, measure=measure, name=name, twin=twin, **common)

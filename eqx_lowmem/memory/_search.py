@@ -8,10 +8,9 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 import optax
-from jax.sharding import Mesh
 
 from ..precision._policy import Policy
-from ..train._make_step import make_step
+from ..train._config import StepConfig
 from ._candidates import Candidate, rank_key
 from ._cost import Cost, Throughput, jaxpr_cost, relative_time
 from ._inspect import precision_name, tree_bytes
@@ -64,9 +63,7 @@ class Compiler:
 
     loss_fn: Callable[..., Any]
     optimizer: optax.GradientTransformation
-    loss_scale: Any
-    mesh: Mesh | None
-    data_axis: str
+    config: StepConfig  # the step's options; its accumulate, precision and shard searched
     structs: Any
     key: Any
     remats: tuple
@@ -74,16 +71,8 @@ class Compiler:
     reports: dict[tuple, MemoryReport] = dataclasses.field(default_factory=dict)
 
     def step(self, accumulate: int, policy: Policy, shard: str) -> Any:
-        return make_step(
-            self.loss_fn,
-            self.optimizer,
-            accumulate=accumulate,
-            precision=policy,
-            loss_scale=self.loss_scale,
-            mesh=self.mesh,
-            data_axis=self.data_axis,
-            shard=shard,
-        )
+        config = self.config.replace(accumulate=accumulate, precision=policy, shard=shard)
+        return config.build(self.loss_fn, self.optimizer)
 
     def _state(self, model: Any, step: Any) -> Any:
         return eqx.filter_eval_shape(lambda m: step.init(m, key=self.key), model)
@@ -97,12 +86,13 @@ class Compiler:
         state = self._state(model, step)
         floor = 0
         if budget is not None:
-            shardings = None if self.mesh is None else step.state_shardings(state)
+            shardings = None if self.config.mesh is None else step.state_shardings(state)
             local = sum(
                 int(np.prod(x.shape if s is None else s.shard_shape(x.shape))) * x.dtype.itemsize
                 for x, s in _pairs(state, shardings)
             )
-            devices = 1 if self.mesh is None else int(self.mesh.shape.get(self.data_axis, 1))
+            mesh = self.config.mesh
+            devices = 1 if mesh is None else int(mesh.shape.get(self.config.data_axis, 1))
             floor = int(local + tree_bytes(self.structs) // devices)
             if floor > budget:
                 return floor, None
@@ -131,8 +121,8 @@ class Compiler:
                 key=self.key,
                 name=name,
                 twin=twin,
-                mesh=self.mesh,
-                data_axis=self.data_axis,
+                mesh=self.config.mesh,
+                data_axis=self.config.data_axis,
                 shard=shard,
                 target=self.target,
             )

@@ -8,6 +8,8 @@ from ._checkpoint import (
     save_checkpoint as save_checkpoint,
 )
 from ._chunked import chunked_cross_entropy as chunked_cross_entropy
+from ._config import StepConfig as StepConfig
+from ._hooks import Hook as Hook, StepInfo as StepInfo
 from ._lock import DirectoryLockedError as DirectoryLockedError
 from ._losses import (
     cross_entropy as cross_entropy,

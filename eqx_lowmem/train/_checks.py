@@ -179,7 +179,9 @@ def check_mesh(mesh: Mesh | None, data_axis: str, micro_batch: int) -> None:
         )
 
 
-def check_eval_data(step_fn: Step, loss, state: TrainState, eval_data: Any, eval_stream) -> None:
+def check_eval_data(
+    step_fn: Step, loss, state: TrainState, eval_data: Any, eval_stream, traced: set | None = None
+) -> None:
     """`eval_data` checked as training data is, before the first update: arrays whole
     (NaN, labels out of range; one pass on the host), a stream's first batch; and the
     loss traced on a batch of it (a `y` of the wrong shape)."""
@@ -191,7 +193,7 @@ def check_eval_data(step_fn: Step, loss, state: TrainState, eval_data: Any, eval
             check_data(loss, state.model, arrays, step_fn.policy.compute_dtype)
         except ValueError as e:
             raise ValueError(f"eval_data (checked before training): {e}") from e
-    check_model_accepts(step_fn, loss, state, eval_stream, what="eval_data")
+    check_model_accepts(step_fn, loss, state, eval_stream, what="eval_data", traced=traced)
 
 
 def check_data(loss, model: Any, batch: tuple, compute_dtype: Any = None) -> None:
@@ -233,10 +235,16 @@ def _check_fits_float16(name: str, a: np.ndarray, compute_dtype: Any) -> None:
 
 
 def check_model_accepts(
-    step_fn: Step, loss, state: TrainState, stream: DataStream, what: str = "a micro-batch"
+    step_fn: Step,
+    loss,
+    state: TrainState,
+    stream: DataStream,
+    what: str = "a micro-batch",
+    traced: set | None = None,
 ) -> None:
     """Trace one micro-batch (of `what`) through the loss before any work, for a clear
-    error."""
+    error. `traced`: the (model, batch) shapes traced already (a later `fit` of the same
+    Trainer is not traced again: 15 ms on a small MLP), added to."""
     first = next(iter(peek(stream)), None)
     if first is None:
         raise ValueError(
@@ -263,6 +271,9 @@ def check_model_accepts(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x,
         (state.model, state.model_state),
     )
+    seen = None if traced is None else _shapes_key(model, model_state, specs)
+    if traced is not None and seen in traced:
+        return
     try:
         eqx.filter_eval_shape(trace, model, model_state, specs, jr.PRNGKey(0))
     except Exception as e:
@@ -272,3 +283,23 @@ def check_model_accepts(
             f"(called as the step calls it, with a key if the loss takes one): "
             f"{type(e).__name__}: {e}"
         ) from e
+    if traced is not None and seen is not None:
+        traced.add(seen)
+
+
+def _shapes_key(*trees: Any) -> tuple | None:
+    """What a trace of the loss depends on: the trees' structure (with their non-array
+    leaves) and each array's shape and dtype; None where it cannot be a set's key."""
+    leaves, treedef = jax.tree.flatten(trees)
+    key = (
+        treedef,
+        tuple(
+            (x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else ("leaf", id(x))
+            for x in leaves
+        ),
+    )
+    try:
+        hash(key)
+    except TypeError:  # a static field that is not hashable
+        return None
+    return key

@@ -1,14 +1,16 @@
 """The Trainer's evaluation: the mean loss over data, without an update."""
 
+from collections.abc import Callable
+from typing import Any
+
 import equinox as eqx
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .._checks import check_int
 from ..data import DataStream
 from ..precision._policy import Policy
 from ._batches import pad
-from ._checks import check_data, make_eval_stream
+from ._hooks import Hook, StepInfo
 from ._loss import call_loss
 from ._shard import in_auto_axes
 
@@ -41,24 +43,50 @@ def eval_function(loss, policy: Policy, jit: bool, mesh: Mesh | None = None):
     return eqx.filter_jit(eval_batch) if jit else eval_batch
 
 
-def evaluate(trainer, data: tuple | DataStream, micro_batch: int | None = None) -> float:
-    """`Trainer.evaluate`: the mean loss over every sample of `data`."""
-    check_int("micro_batch", micro_batch, 1, none=True, alternative="samples per batch")
-    stream = data if isinstance(data, DataStream) else make_eval_stream(data, micro_batch or 256)
-    assert stream is not None
-    held, model_state = trainer._held()
-    model = eqx.nn.inference_mode(held)
+def mean_loss(
+    eval_fn: Callable[..., Any],
+    model: Any,
+    model_state: Any,
+    stream: DataStream,
+    check: Callable[[tuple], None] | None = None,
+) -> float:
+    """The mean loss of `model` over every sample of `stream` (`eval_fn` from
+    `eval_function`), in `eqx.nn.inference_mode`; `check(batch)` on each batch's host
+    arrays first, where given."""
+    inference = eqx.nn.inference_mode(model)
     total = weight = 0.0
     for i, batch in enumerate(stream):
-        if trainer.check_data:  # as training batches are: NaN, labels out of range
+        if check is not None:  # as training batches are: NaN, labels out of range
             try:
-                check_data(trainer.loss, held, tuple(batch), trainer.step_fn.policy.compute_dtype)
+                check(tuple(batch))
             except ValueError as e:
                 raise ValueError(f"evaluation data, batch {i + 1}: {e}") from e
         batch, weights = pad([tuple(jnp.asarray(x) for x in batch)], stream.batch_size)
-        s, w = trainer._eval_fn(model, model_state, batch, weights)
+        s, w = eval_fn(inference, model_state, batch, weights)
         total += float(s)
         weight += float(w)
     if weight <= 0:
         raise ValueError("the evaluation data has no samples (or only zero weights).")
     return total / weight
+
+
+class Evaluation(Hook):
+    """The loss over `stream` (`fit(eval_data=...)`) after every epoch, or every `every`
+    updates: returned as `eval_loss` (with `eval_update`), which the run's history keeps
+    and the hooks after it (TensorBoard) hear."""
+
+    def __init__(self, evaluate: Callable[[DataStream], float], stream: DataStream,
+                 every: int | None = None):  # fmt: skip
+        self.evaluate, self.stream, self.every = evaluate, stream, every
+
+    def due(self, update: int) -> bool:
+        return self.every is not None and update % self.every == 0
+
+    def on_update(self, info: StepInfo) -> dict[str, float | int] | None:
+        return self._loss(info) if self.due(info.update) else None
+
+    def on_epoch_end(self, info: StepInfo) -> dict[str, float | int] | None:
+        return self._loss(info) if self.every is None else None
+
+    def _loss(self, info: StepInfo) -> dict[str, float | int]:
+        return {"eval_loss": self.evaluate(self.stream), "eval_update": info.update}

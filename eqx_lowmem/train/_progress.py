@@ -5,22 +5,31 @@ import time
 
 from tqdm.auto import tqdm
 
+from ._hooks import Hook, StepInfo
 
-class Progress:
-    """A bar on a terminal; a line every `seconds` otherwise; or nothing."""
 
-    def __init__(self, progress, seconds: float, target: int | None):
+class Progress(Hook):
+    """A bar on a terminal; a line every `seconds` otherwise (`progress=True`); `"bar"` or
+    `"log"` force one."""
+
+    def __init__(self, progress: bool | str, seconds: float | int):
         mode = progress
         if progress is True:
             mode = "bar" if sys.stderr.isatty() else "log"
         self.mode = mode if mode in ("bar", "log") else None
         self.seconds = seconds
-        self.target = target
+        self.target: int | None = None
         self.first: tuple[float, int] | None = None  # (time, updates) after the first update
         self.last_line = time.monotonic()
         self.bar = None
+
+    def on_start(self, info: StepInfo) -> None:
+        self.target, self.first, self.last_line = info.target, None, time.monotonic()
         if self.mode == "bar":
             self.bar = tqdm(total=self.target, file=sys.stderr, leave=False, unit="update")
+
+    def on_update(self, info: StepInfo) -> None:
+        self.update(info.update, float(info.metrics["loss"]), info.epoch)
 
     def update(self, updates: int, loss: float, epoch: int) -> None:
         now = time.monotonic()
@@ -49,6 +58,7 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 def _duration(seconds: float) -> str:

@@ -7,6 +7,7 @@ written synchronously), or orbax step directories (`_orbax`, written asynchronou
 default for sharded and multi-process runs)."""
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -23,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..data import DataStream
 from ._checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -32,123 +32,202 @@ from ._checkpoint import (
     read_meta,
     save_checkpoint,
 )
+from ._hooks import Hook, StepInfo
 from ._lock import lock_directory
 from ._orbax import OrbaxCheckpoints, holds_orbax_steps, newest_step_directory
-from ._run import Run
+from ._run import RunState
+from ._state import TrainState
+from ._step import Step
 
 FORMATS = ("auto", "file", "orbax")
 
 
-def checkpoint_format(trainer) -> str:
-    """The format of `trainer`'s checkpoints: the one its directory holds; otherwise
-    `checkpoint_format`, where "auto" is orbax for a run whose state is sharded (FSDP) or
-    spans processes, and the single file for the rest."""
-    d, chosen = trainer.checkpoint_dir, trainer.checkpoint_format
-    held = None
-    if d is not None and holds_orbax_steps(d):
-        held = "orbax"
-    elif d is not None and (d / CHECKPOINT_NAME).exists():
-        held = "file"
-    if held is not None and chosen not in ("auto", held):
-        raise ValueError(
-            f"checkpoint_format={chosen!r} but {d} holds {held} checkpoints; pass "
-            f"checkpoint_format={held!r} (or 'auto') to resume it, or use a new checkpoint_dir."
+class Checkpoints(Hook):
+    """The checkpoints of a run in `directory` (`Trainer(checkpoint_dir=...)`): saved at
+    every epoch's end, every `every` updates, when `seconds` have passed since the last,
+    at the end of `fit` and on a stop; the newest `keep` kept; and the run resumed from
+    the newest on the next `fit`, refused when made with other settings (`check_resume`).
+
+    Two formats: one file per checkpoint (`_checkpoint`, written synchronously), or orbax
+    step directories (`_orbax`, written asynchronously; "auto" picks it for a sharded or
+    multi-process run)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        format: str = "auto",
+        every: int | None = None,
+        seconds: float | int | None = 300.0,
+        keep: int = 3,
+        check_resume: bool = True,
+        sharded: bool = False,
+    ):
+        self.directory = directory
+        self.format = format
+        self.every = every
+        self.seconds = seconds
+        self.keep = keep
+        self.check_resume = check_resume
+        self.sharded = sharded  # the state is split over devices (FSDP): orbax by default
+        self.saved: tuple | None = None  # (updates, history, partial) of the last save
+        self._run: RunState | None = None
+        self._orbax: OrbaxCheckpoints | None = None
+        self._last_save = time.monotonic()
+
+    @property
+    def path(self) -> Path | None:
+        """The newest checkpoint (a file or an orbax step directory), or None."""
+        d = self.directory
+        if holds_orbax_steps(d):
+            return newest_step_directory(d)
+        path = d / CHECKPOINT_NAME
+        return path if path.exists() else None
+
+    @property
+    def saved_update(self) -> int | None:
+        """The update of the newest checkpoint this run wrote or resumed from, or None."""
+        return None if self.saved is None else self.saved[0]
+
+    def resolved_format(self) -> str:
+        """The format of the checkpoints: the one the directory holds; otherwise `format`,
+        where "auto" is orbax for a sharded (FSDP) or multi-process run, else the file."""
+        d, chosen = self.directory, self.format
+        held = None
+        if holds_orbax_steps(d):
+            held = "orbax"
+        elif (d / CHECKPOINT_NAME).exists():
+            held = "file"
+        if held is not None and chosen not in ("auto", held):
+            raise ValueError(
+                f"checkpoint_format={chosen!r} but {d} holds {held} checkpoints; pass "
+                f"checkpoint_format={held!r} (or 'auto') to resume it, or use a new "
+                "checkpoint_dir."
+            )
+        if held is not None:
+            return held
+        if chosen != "auto":
+            return chosen
+        return "orbax" if self.sharded or jax.process_count() > 1 else "file"
+
+    @contextlib.contextmanager
+    def opened(self, run: RunState):
+        """Claim the directory for one `fit` of `run` (locked, stale temporaries removed),
+        with its checkpoint engine: orbax's is closed after it, waiting for the save in
+        flight (also when `fit` raises)."""
+        with claim_directory(self.directory):
+            self._run, self.saved = run, None
+            if self.resolved_format() == "orbax":
+                self._orbax = OrbaxCheckpoints(self.directory, keep=self.keep)
+            try:
+                yield self
+            finally:
+                self._run = None
+                if self._orbax is not None:
+                    self._orbax.close()
+                    self._orbax = None
+
+    def restore(self, state: TrainState) -> TrainState | None:
+        """The state of the newest checkpoint (None without one), with the run's progress
+        restored into the opened run; refused when made with other settings (unless
+        `check_resume=False`)."""
+        path, run = self.path, self._run
+        assert run is not None, "restore() inside opened()"
+        if path is None:
+            return None
+        engine = self._orbax
+        meta = read_meta(path) if engine is None else engine.read_meta()
+        _check_meta(path, meta)
+        saved = meta.get("run")
+        if self.check_resume and saved is not None:
+            for name, now in run.settings.items():
+                before = saved.get(name)
+                if name == "optimizer" and isinstance(before, list):
+                    continue  # an earlier version's fingerprint (a list): not comparable
+                if before != now:
+                    raise ValueError(_changed(path, name, before, now))
+        if engine is None:
+            state, meta = load_checkpoint(path, state)
+        else:
+            state, meta = engine.restore(state)
+        run.restore(meta)
+        self.saved = _saved_key(run)
+        return state
+
+    # -- the hook --------------------------------------------------------------------------
+
+    def on_start(self, info: StepInfo) -> None:
+        self._last_save = time.monotonic()
+
+    def due(self, update: int) -> bool:
+        return (self.every is not None and update % self.every == 0) or (
+            self.seconds is not None and time.monotonic() - self._last_save >= self.seconds
         )
-    if held is not None:
-        return held
-    if chosen != "auto":
-        return chosen
-    return "orbax" if trainer.shard == "fsdp" or jax.process_count() > 1 else "file"
+
+    def on_update(self, info: StepInfo) -> None:
+        # An epoch's last update is saved at `on_epoch_end`, with the epoch closed. The
+        # state is None only when the time to save came after the next update started:
+        # then the next update is saved.
+        if not info.last_in_epoch and self.due(info.update):
+            state = info.state()
+            if state is not None:
+                self.save(state)
+
+    def on_epoch_end(self, info: StepInfo) -> None:
+        self.save(info.state())
+
+    def on_end(self, info: StepInfo) -> None:
+        self.save(info.state())
+
+    def save(self, state: TrainState | None) -> None:
+        """Write `state` and the run's progress atomically, keeping the checkpoint it
+        replaces as `checkpoint-<updates>.ckpt` (a hard link: no copy) and the newest
+        `keep` in all. Killed at any moment, the directory holds a whole checkpoint: the
+        old one or the new one. Nothing is written when nothing changed since the last."""
+        self._last_save = time.monotonic()
+        run = self._run
+        assert run is not None and state is not None, "save() of the state after an update"
+        key = _saved_key(run)
+        if key == self.saved:
+            return
+        meta = run.progress()
+        if self._orbax is not None:
+            self._orbax.save(run.updates, state, meta)
+            self.saved = key
+            return
+        path = self.directory / CHECKPOINT_NAME
+        if self.keep > 1 and path.exists():
+            before = self.saved[0] if self.saved else read_meta(path).get("updates", 0)
+            _keep(path, self.directory / _previous_name(before))
+        save_checkpoint(path, state, meta)
+        self.saved = key
+        previous = _previous(self.directory)
+        for old in previous[: max(0, len(previous) - (self.keep - 1))]:
+            old.unlink(missing_ok=True)
 
 
-def newest(trainer) -> Path | None:
-    """The newest checkpoint in `trainer.checkpoint_dir` (a file or an orbax step
-    directory), or None."""
-    d = trainer.checkpoint_dir
-    if d is None:
-        return None
-    if holds_orbax_steps(d):
-        return newest_step_directory(d)
-    path = d / CHECKPOINT_NAME
-    return path if path.exists() else None
+def _saved_key(run: RunState) -> tuple:
+    """What a checkpoint of `run` records that can change between saves."""
+    return (run.updates, json.dumps(run.history), json.dumps(dataclasses.asdict(run.sums)))
 
 
-@contextlib.contextmanager
-def checkpoints(trainer):
-    """Open `trainer`'s checkpoint engine for one `fit`: orbax's is closed after it, waiting
-    for the save in flight (also when `fit` raises)."""
-    trainer._orbax = None
-    if trainer.checkpoint_dir is not None and checkpoint_format(trainer) == "orbax":
-        trainer._orbax = OrbaxCheckpoints(trainer.checkpoint_dir, keep=trainer.keep_checkpoints)
-    try:
-        yield trainer._orbax
-    finally:
-        if trainer._orbax is not None:
-            trainer._orbax.close()
-            trainer._orbax = None
-
-
-def save(trainer, run: Run) -> None:
-    """Write the state and the run's progress to `checkpoint_path` atomically, keeping
-    the checkpoint it replaces as `checkpoint-<updates>.ckpt` (a hard link: no copy) and
-    the newest `keep_checkpoints` in all. Killed at any moment, the directory holds a
-    whole `checkpoint_path`: the old one or the new one."""
-    run.last_save = time.monotonic()
-    if trainer.checkpoint_dir is None:
-        return
-    key = (trainer.updates, json.dumps(run.history), json.dumps(run.partial))
-    if key == run.saved:
-        return  # nothing changed since the last save
-    meta = {
-        "stream": run.stream.state(),
-        "history": run.history,
-        "partial": dict(run.partial),
-        "updates": trainer.updates,
-        "run": run.settings,
+def settings(
+    step: Step, optimizer: Any, micro_batch: int, config: dict[str, Any] | None
+) -> dict[str, Any]:
+    """What a resumed run must share with the run that wrote the checkpoint (`optimizer`:
+    the one given, before the step wraps it)."""
+    policy, scale = step.policy, step.loss_scale
+    return {
+        "optimizer": fingerprint((optimizer.init, optimizer.update)),
+        "accumulate": step.accumulate,
+        "micro_batch": micro_batch,
+        "precision": f"params {jnp.dtype(policy.param_dtype).name}, compute "
+        f"{jnp.dtype(policy.compute_dtype).name}",
+        "loss_scale": None if scale is None else type(scale).__name__,
+        "shard": step.shard,
+        "devices": step.n_shards,
+        "config": config,
     }
-    if trainer._orbax is not None:
-        trainer._orbax.save(trainer.updates, trainer.state, meta)
-        run.saved = key
-        return
-    path = trainer.checkpoint_dir / CHECKPOINT_NAME
-    if trainer.keep_checkpoints > 1 and path.exists():
-        before = run.saved[0] if run.saved else read_meta(path).get("updates", 0)
-        _keep(path, trainer.checkpoint_dir / _previous_name(before))
-    save_checkpoint(path, trainer.state, meta)
-    run.saved = key
-    previous = _previous(trainer.checkpoint_dir)
-    for old in previous[: max(0, len(previous) - (trainer.keep_checkpoints - 1))]:
-        old.unlink(missing_ok=True)
-
-
-def resume(trainer, path: Path, run: Run) -> None:
-    """Load the checkpoint at `path` into `trainer` and `run`, refusing one made with other
-    settings (unless `check_resume=False`)."""
-    engine = trainer._orbax
-    meta = read_meta(path) if engine is None else engine.read_meta()
-    _check_meta(path, meta)
-    saved = meta.get("run")
-    if trainer.check_resume and saved is not None:
-        for name, now in run.settings.items():
-            before = saved.get(name)
-            if name == "optimizer" and isinstance(before, list):
-                continue  # an earlier version's fingerprint (a list): not comparable
-            if before != now:
-                raise ValueError(_changed(path, name, before, now))
-    assert trainer.state is not None
-    if engine is None:
-        trainer.state, meta = load_checkpoint(path, trainer.state)
-    else:
-        trainer.state, meta = engine.restore(trainer.state)
-    run.stream.set_state(meta["stream"])
-    run.history = meta["history"]
-    if run.eval_stream is not None:
-        run.history.setdefault("eval_loss", [])
-        run.history.setdefault("eval_update", [])
-    run.partial = meta["partial"]
-    trainer.updates = meta.get("updates", 0)
-    run.start = 0
-    run.saved = (trainer.updates, json.dumps(run.history), json.dumps(run.partial))
 
 
 # What `save` writes into a checkpoint's metadata, and `resume` reads back.
@@ -177,24 +256,6 @@ def _check_meta(path: Path, meta: Any) -> None:
             "(checkpoint-<updates>.ckpt renamed to checkpoint.ckpt), or use a new "
             "checkpoint_dir."
         )
-
-
-def settings(trainer, stream: DataStream) -> dict[str, Any]:
-    """What a resumed run must share with the run that wrote the checkpoint."""
-    policy = trainer.step_fn.policy
-    scale = trainer.step_fn.loss_scale
-    mesh = trainer.mesh
-    return {
-        "optimizer": fingerprint((trainer.optimizer.init, trainer.optimizer.update)),
-        "accumulate": trainer.accumulate,
-        "micro_batch": stream.batch_size,
-        "precision": f"params {jnp.dtype(policy.param_dtype).name}, compute "
-        f"{jnp.dtype(policy.compute_dtype).name}",
-        "loss_scale": None if scale is None else type(scale).__name__,
-        "shard": trainer.shard,
-        "devices": 1 if mesh is None else int(mesh.shape[trainer.data_axis]),
-        "config": trainer.config,
-    }
 
 
 def claim_directory(checkpoint_dir: Path | None):

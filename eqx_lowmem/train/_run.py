@@ -1,47 +1,81 @@
-"""One call of `Trainer.fit`: its targets and the progress that checkpoints record."""
+"""One run's state: everything `Trainer.fit` tracks besides the model, in one record."""
 
-import time
+import dataclasses
 from typing import Any
 
-
-def fresh_partial(epoch: int) -> dict[str, Any]:
-    """The running sums of an epoch not yet closed."""
-    return {"epoch": epoch, "sum": 0.0, "weight": 0.0, "updates": 0}
+from ..data import DataStream
 
 
-class Run:
-    """One call of `fit`: its targets and the progress that checkpoints record."""
+@dataclasses.dataclass
+class EpochSums:
+    """The running sums of an epoch not yet closed (what a checkpoint records of it)."""
 
-    def __init__(self, *, stream, accumulate, epochs, updates, eval_stream, eval_every, settings):
-        self.stream = stream
-        self.accumulate = accumulate
-        self.epochs = epochs
-        self.updates = updates
-        self.eval_stream = eval_stream
-        self.eval_every = eval_every
-        self.settings = settings
-        self.history: dict[str, list] = {"train_loss": []}
-        if eval_stream is not None:
-            self.history.update(eval_loss=[], eval_update=[])
-        self.partial = fresh_partial(stream.epoch)
-        self.start = 0  # updates taken before this fit (counted towards `updates` or not)
-        self.skips = 0  # skipped updates in a row
-        self.last_save = time.monotonic()
-        self.saved: tuple | None = None
+    epoch: int
+    sum: float = 0.0  # of loss x weight over its updates' samples (finite losses only)
+    weight: float = 0.0
+    updates: int = 0  # its updates read so far
 
-    def done(self, taken: int) -> bool:
-        return (self.epochs is not None and self.stream.epoch >= self.epochs) or (
-            self.updates is not None and taken - self.start >= self.updates
+    @property
+    def mean(self) -> float:
+        return self.sum / self.weight if self.weight > 0 else float("nan")
+
+
+@dataclasses.dataclass
+class RunState:
+    """One call of `fit`: its data, targets, counters and history.
+
+    `updates` counts the run's updates (dispatched to the device; a skipped one included)
+    and carries over to a later `fit` of the same Trainer; `start` is where this `fit`'s
+    `limit` counts from. `history` and `sums` are what checkpoints record besides the
+    model, with the stream's position and `settings`."""
+
+    stream: DataStream
+    settings: dict[str, Any]
+    epochs: int | None = None  # the run's total epochs
+    limit: int | None = None  # updates to train in this fit (from `start`)
+    updates: int = 0
+    start: int = 0
+    history: dict[str, list] = dataclasses.field(default_factory=lambda: {"train_loss": []})
+    sums: EpochSums = dataclasses.field(default_factory=lambda: EpochSums(0))
+    skips: int = 0  # skipped updates in a row
+    stop: bool = False  # a hook asked to stop
+
+    def done(self) -> bool:
+        """Whether the run has what it asked for (or was asked to stop)."""
+        return (
+            self.stop
+            or (self.epochs is not None and self.stream.epoch >= self.epochs)
+            or (self.limit is not None and self.updates - self.start >= self.limit)
         )
 
-    def target(self, taken: int) -> int | None:
-        """The run's last update number, when it is known (`taken`: updates so far)."""
+    def target(self, accumulate: int) -> int | None:
+        """The run's last update number, when it is known."""
         targets = []
-        if self.updates is not None:
-            targets.append(self.start + self.updates)
+        if self.limit is not None:
+            targets.append(self.start + self.limit)
         n = self.stream.num_batches
         if self.epochs is not None and n is not None:
-            per_epoch = -(-n // self.accumulate)
-            left = (self.epochs - self.stream.epoch) * per_epoch - self.partial["updates"]
-            targets.append(taken + max(0, left))
+            per_epoch = -(-n // accumulate)
+            left = (self.epochs - self.stream.epoch) * per_epoch - self.sums.updates
+            targets.append(self.updates + max(0, left))
         return min(targets, default=None)
+
+    def progress(self) -> dict[str, Any]:
+        """What a checkpoint records of the run besides the model (JSON)."""
+        return {
+            "stream": self.stream.state(),
+            "history": self.history,
+            "partial": dataclasses.asdict(self.sums),
+            "updates": self.updates,
+            "run": self.settings,
+        }
+
+    def restore(self, meta: dict[str, Any]) -> None:
+        """Continue from a checkpoint's `progress()` (checked by `_resume`)."""
+        self.stream.set_state(meta["stream"])
+        self.history = {**self.history, **meta["history"]}
+        sums = meta["partial"]
+        self.sums = EpochSums(int(sums["epoch"]), float(sums["sum"]), float(sums["weight"]),
+                              int(sums["updates"]))  # fmt: skip
+        self.updates = int(meta.get("updates", 0))
+        self.start = 0

@@ -7,8 +7,7 @@ import signal
 import sys
 import threading
 
-from ._resume import save
-from ._run import Run
+from ._hooks import Hook, StepInfo
 
 # The signals `fit` turns into "save, then stop". SIGHUP where the platform has it; a signal
 # that the process ignores (SIGHUP under `nohup`) stays ignored.
@@ -17,45 +16,64 @@ _SIGNALS = tuple(
 )
 
 
-def sigint(trainer):
-    """Turn the first stop signal into a request to stop after the update in flight."""
-    trainer._interrupted = False
-    trainer._signal = None
-    if threading.current_thread() is not threading.main_thread():
-        return contextlib.nullcontext()  # signals reach only the main thread
+class Interrupts(Hook):
+    """The first stop signal during `fit` becomes a request to stop after the update in
+    flight; the run's end (the checkpoint hook, before this one, saves there) then exits
+    the program (`how="exit"`: status 128 + the signal's number, 130 for Ctrl-C, 143 for
+    SIGTERM, 129 for SIGHUP) or raises KeyboardInterrupt (`how="raise"`). Only in the main
+    thread (Python delivers signals there)."""
 
-    def handler(signum, frame):
-        if trainer._interrupted:  # a second signal: stop now, without saving
+    def __init__(self, how: str = "exit", saving: bool = False):
+        self.how = how
+        self.saving = saving  # a checkpoint is saved before the stop
+        self.signal: int | None = None  # the signal that arrived during this fit
+        self._handlers: contextlib.ExitStack | None = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.signal is not None:  # a second signal: stop now, without saving
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             raise SystemExit(128 + signum)
-        trainer._interrupted = True
-        trainer._signal = signum
+        self.signal = signum
 
-    stack = contextlib.ExitStack()
-    for signum in _SIGNALS:
-        if signum != signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN:
-            continue
-        previous = signal.signal(signum, handler)
-        stack.callback(signal.signal, signum, previous)
-    return stack
+    def on_start(self, info: StepInfo) -> None:
+        self.signal = None
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach only the main thread
+        stack = contextlib.ExitStack()
+        for signum in _SIGNALS:
+            if signum != signal.SIGINT and signal.getsignal(signum) == signal.SIG_IGN:
+                continue
+            previous = signal.signal(signum, self._handler)
+            stack.callback(signal.signal, signum, previous)
+        self._handlers = stack
 
+    def due(self, update: int) -> bool:
+        return self.signal is not None
 
-def check_interrupt(trainer, run: Run) -> None:
-    """After a stop signal: save, then exit the program (status 128 + the signal's number:
-    130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP) or raise KeyboardInterrupt."""
-    if not trainer._interrupted:
-        return
-    save(trainer, run)
-    saved = trainer.checkpoint_dir is not None
-    signum = trainer._signal or signal.SIGINT
-    how = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-    if trainer.interrupt == "raise":
-        raise KeyboardInterrupt(f"{how} at update {trainer.updates}")
-    line = (
-        f"{how} at update {trainer.updates}; run again to resume"
-        if saved
-        else f"{how} at update {trainer.updates}; no checkpoint_dir, nothing was saved"
-    )
-    print(line, file=sys.stderr, flush=True)
-    raise SystemExit(128 + signum)
+    def on_update(self, info: StepInfo) -> None:
+        if self.signal is not None:
+            info.stop()
+
+    def on_end(self, info: StepInfo) -> None:
+        """After a signal: exit the program or raise KeyboardInterrupt."""
+        if self.signal is None:
+            return
+        self.close()
+        signum = self.signal
+        name = signal.Signals(signum).name
+        how = "interrupted" if signum == signal.SIGINT else f"stopped by {name}"
+        if self.how == "raise":
+            raise KeyboardInterrupt(f"{how} at update {info.update}")
+        line = (
+            f"{how} at update {info.update}; run again to resume"
+            if self.saving
+            else f"{how} at update {info.update}; no checkpoint_dir, nothing was saved"
+        )
+        print(line, file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    def close(self) -> None:
+        if self._handlers is not None:
+            self._handlers.close()
+            self._handlers = None

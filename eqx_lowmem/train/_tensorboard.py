@@ -11,7 +11,6 @@ writer is made. Only process 0 writes. Tags, each at the run's update count:
 - `train/epoch_loss` at the end of every epoch, `eval/loss` at every evaluation.
 """
 
-import contextlib
 import os
 import time
 import warnings
@@ -20,6 +19,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from ._hooks import Hook, StepInfo
 
 _INSTALL = "pip install -e '.[tensorboard]' (or: pip install 'tensorboardX>=2.6,<3')"
 
@@ -77,7 +78,6 @@ class ScalarWriter:
             return
         purge = None if resumed_at is None else resumed_at + 1
         self._writer = _summary_writer()(str(self.log_dir), purge_step=purge)
-        self._clock: tuple[float, int] | None = None
 
     def scalars(self, step: int, values: dict[str, float | None]) -> None:
         """Write each value that is not None at `step`."""
@@ -86,29 +86,6 @@ class ScalarWriter:
                 if self._writer is None or not self._room():
                     return
                 self._writer.add_scalar(tag, float(value), step)
-
-    def update(self, trainer: Any, values: dict[str, Any]) -> None:
-        """The scalars of one update (`values`: its metrics as Python numbers)."""
-        if self._writer is None:
-            return
-        now, step = time.monotonic(), trainer.updates
-        rate = None
-        if self._clock is not None and step > self._clock[1] and now > self._clock[0]:
-            rate = (step - self._clock[1]) / (now - self._clock[0])
-        self._clock = (now, step)
-        scale = values.get("loss_scale") if trainer.step_fn.loss_scale is not None else None
-        self.scalars(
-            step,
-            {
-                "train/loss": values.get("loss"),
-                "train/grad_norm": values.get("grad_norm"),
-                "train/loss_scale": scale,
-                "train/skipped": 0.0 if values.get("finite", True) else 1.0,
-                "train/learning_rate": learning_rate(trainer.state.opt_state),
-                "train/updates_per_second": rate,
-                "train/memory_bytes_in_use": memory_in_use(),
-            },
-        )
 
     def _room(self) -> bool:
         """Whether an event can be queued: tensorboardX's writer thread still runs, and its
@@ -147,15 +124,58 @@ class ScalarWriter:
             writer.close()
 
 
-@contextlib.contextmanager
-def tensorboard(trainer):
-    """`trainer._writer` for one `fit` when it has a `log_dir`, closed after it."""
-    trainer._writer = None
-    if trainer.log_dir is not None:
-        trainer._writer = ScalarWriter(trainer.log_dir, resumed_at=trainer.updates or None)
-    try:
-        yield trainer._writer
-    finally:
-        if trainer._writer is not None:
-            trainer._writer.close()
-            trainer._writer = None
+class TensorBoard(Hook):
+    """The run's scalars into `log_dir` (`Trainer(log_dir=...)`), one writer per `fit`."""
+
+    def __init__(self, log_dir: str | os.PathLike, loss_scale: bool = False):
+        self.log_dir = Path(log_dir)
+        self.loss_scale = loss_scale  # the step has one: log it
+        self.writer: ScalarWriter | None = None
+        self._clock: tuple[float, int] | None = None  # (time, update) of the last update
+        self._reads_rate: Any = None  # the optimizer state's learning rate: read it each update
+
+    def on_start(self, info: StepInfo) -> None:
+        self.writer = ScalarWriter(self.log_dir, resumed_at=info.update or None)
+        self._clock = None
+        state = info.state()
+        self._reads_rate = state is not None and learning_rate(state.opt_state) is not None
+
+    def due(self, update: int) -> bool:
+        # The learning rate is read from the state after each update, so with a loss
+        # scale the metrics are not read while the next update runs.
+        return bool(self._reads_rate)
+
+    def on_update(self, info: StepInfo) -> None:
+        assert self.writer is not None
+        now, step, values = time.monotonic(), info.update, info.metrics
+        rate = None
+        if self._clock is not None and step > self._clock[1] and now > self._clock[0]:
+            rate = (step - self._clock[1]) / (now - self._clock[0])
+        self._clock = (now, step)
+        state = info.state() if self._reads_rate else None
+        self.writer.scalars(
+            step,
+            {
+                "train/loss": values.get("loss"),
+                "train/grad_norm": values.get("grad_norm"),
+                "train/loss_scale": values.get("loss_scale") if self.loss_scale else None,
+                "train/skipped": 0.0 if values.get("finite", 1.0) else 1.0,
+                "train/learning_rate": None if state is None else learning_rate(state.opt_state),
+                "train/updates_per_second": rate,
+                "train/memory_bytes_in_use": memory_in_use(),
+                "eval/loss": values.get("eval_loss"),
+            },
+        )
+
+    def on_epoch_end(self, info: StepInfo) -> None:
+        assert self.writer is not None
+        self.writer.scalars(
+            info.update,
+            {"train/epoch_loss": info.metrics.get("train_loss"),
+             "eval/loss": info.metrics.get("eval_loss")},
+        )  # fmt: skip
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

@@ -1,25 +1,34 @@
 """The Trainer: `fit` over arrays or a stream, with every memory tool, never losing a run.
 
-The class and `fit` are here; the rest of a run lives by concern: the training loop in
-`_loop`, checkpoint and resume policy in `_resume`, Ctrl-C in `_signals`, evaluation in
-`_evaluate`, the progress bar in `_progress`, and the checks of arguments in `_checks`.
+The Trainer owns the loop: `fit` and its epochs and updates are its own methods, over one
+`RunState` (`_run`). Everything optional is a hook (`_hooks.Hook`) that owns its state:
+checkpoints and resume (`_resume`), stop signals (`_signals`), evaluation (`_evaluate`),
+the progress bar (`_progress`), TensorBoard (`_tensorboard`); the Trainer's keyword
+arguments build them for each `fit`, and `hooks=[...]` adds a user's own.
 """
 
+import contextlib
 import dataclasses
+import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import jax
+import jax.numpy as jnp
 import jax.random as jr
 import optax
 from jax.sharding import Mesh
 
+from .._checks import check_int
 from ..data import DataStream
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy
+from ._batches import groups
 from ._checks import (
+    check_data,
     check_directory,
     check_eval_data,
     check_fit_args,
@@ -29,14 +38,27 @@ from ._checks import (
     make_eval_stream,
     make_stream,
 )
-from ._evaluate import eval_function, evaluate
-from ._loop import train
-from ._make_step import make_step
-from ._resume import checkpoints, claim_directory, newest, resume, settings
-from ._run import Run
-from ._signals import sigint
+from ._config import StepConfig, step_config as resolve_step_config
+from ._evaluate import Evaluation, eval_function, mean_loss
+from ._hooks import Callback, Hook, StepInfo, call_hooks, check_hooks
+from ._loop import (
+    NO_BATCHES,
+    BadBatch,
+    assemble,
+    bad_batch_error,
+    host_check,
+    nonfinite_loss,
+    nonfinite_parameters,
+    prefetch_sharding,
+    shapes_of,
+    too_many_skips,
+)
+from ._progress import Progress
+from ._resume import Checkpoints, settings
+from ._run import EpochSums, RunState
+from ._signals import Interrupts
 from ._state import TrainState, copy_arrays
-from ._tensorboard import tensorboard
+from ._tensorboard import TensorBoard
 
 
 class Trainer:
@@ -46,6 +68,9 @@ class Trainer:
     epoch, every few minutes (`checkpoint_seconds`), every `checkpoint_every` updates, at
     the end and on Ctrl-C, keeps the last `keep_checkpoints` files, and a rerun of the same
     script resumes bit for bit where the last checkpoint left off.
+
+    Everything optional (checkpoints, Ctrl-C, evaluation, progress, TensorBoard, `callback`)
+    is a `Hook` built from the arguments; `hooks=[...]` adds your own (a logger, a stop).
 
     The Trainer holds the model once, in `trainer.state` (its parameters, optimizer state,
     PRNG key and loss scale); a second `fit` continues from it. Its steps donate the state's
@@ -66,14 +91,8 @@ class Trainer:
         5
     """
 
-    # The run's state before the first `fit` (each instance sets its own from then on).
+    # The model's state before the first `fit` (each instance sets its own from then on).
     state: TrainState | None = None
-    updates: int = 0  # updates taken in the run (skipped ones included)
-    _interrupted: bool = False  # a stop signal arrived during `fit`
-    _signal: int | None = None  # which one
-    _orbax: Any = None  # the orbax engine while `fit` runs, with that format
-    _writer: Any = None  # the TensorBoard writer while `fit` runs, with `log_dir`
-    _handed_out: TrainState | None = None  # the state `model` last handed out
 
     def __init__(
         self,
@@ -104,6 +123,8 @@ class Trainer:
         check_resume: bool = True,
         callback: Callable[["Trainer", dict[str, Any]], None] | None = None,
         log_dir: str | os.PathLike | None = None,
+        hooks: Sequence[Any] = (),
+        step_config: StepConfig | None = None,
     ):
         """Args:
         model: an Equinox model (the loss calls it). The Trainer keeps its own copy in
@@ -119,6 +140,9 @@ class Trainer:
         precision, loss_scale, mesh, data_axis, shard, after_update: as `make_step`
             (`precision="mixed_bf16"`; `shard="fsdp"` shards parameters and optimizer state
             over the mesh's data axis; `after_update` for sparse rewiring).
+        step_config: every option of the step in one `StepConfig` (the same value
+            `memory_report` and `plan` take), instead of the keyword arguments above
+            (which must then be left at their defaults).
         model_state: `eqx.nn.State` for stateful layers (BatchNorm); the loss then takes and
             returns it.
         checkpoint_dir: where `fit` saves checkpoints (model, optimizer state, update
@@ -177,6 +201,9 @@ class Trainer:
             second, device memory in use where reported; see
             `eqx_lowmem.train._tensorboard`). Needs tensorboardX
             (`pip install -e '.[tensorboard]'`).
+        hooks: your own `Hook`s (a logger, early stopping), called after the ones the
+            arguments above build (evaluation, progress, TensorBoard, `callback`) and
+            before the checkpoints', in order. See `Hook`.
         """
         config = check_trainer_args(
             checkpoint_dir=checkpoint_dir,
@@ -192,45 +219,63 @@ class Trainer:
             log_dir=log_dir,
             callback=callback,
         )
-        self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
-        self.checkpoint_format = checkpoint_format
-        self.log_dir = None if log_dir is None else Path(log_dir)
-        self.step_fn = make_step(
-            loss,
-            optimizer,
+        self.hooks: list[Hook] = check_hooks(hooks)
+        step = resolve_step_config(
+            step_config,
             accumulate=accumulate,
             precision=precision,
             loss_scale=loss_scale,
-            has_state=model_state is not None,
             mesh=mesh,
             data_axis=data_axis,
             shard=shard,
             after_update=after_update,
             jit=compile,
         )
+        if model_state is not None and not step.has_state:
+            step = step.replace(has_state=True)
+        self.step_config = step
+        self.step_fn = step.build(loss, optimizer)
         self.loss = loss
         self.optimizer = optimizer
-        self.accumulate = accumulate
-        self.mesh = mesh
-        self.data_axis = data_axis
-        self.shard = shard
+        self.accumulate = step.accumulate
+        self.mesh = step.mesh
+        self.data_axis = step.data_axis
+        self.shard = step.shard
+        # The settings of the hooks each `fit` builds (read then: they may be changed).
+        self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
+        self.checkpoint_format = checkpoint_format
         self.checkpoint_every = checkpoint_every
         self.checkpoint_seconds = checkpoint_seconds
         self.keep_checkpoints = keep_checkpoints
-        self.max_consecutive_skips = max_consecutive_skips
+        self.check_resume = check_resume
+        self.log_dir = None if log_dir is None else Path(log_dir)
         self.progress = progress
         self.log_seconds = log_seconds
         self.interrupt = interrupt
+        self.callback = callback
+        self.max_consecutive_skips = max_consecutive_skips
         self.check_data = check_data
         self.config = config
-        self.check_resume = check_resume
-        self.callback = callback
         # Until the first fit; then the model lives only in `state`.
         self._model = model
         self._model_state = model_state
-        self.history: dict[str, list[float]] = {"train_loss": []}
+        self._handed_out: TrainState | None = None  # the state `model` last handed out
+        self._run: RunState | None = None  # the last fit's (its counters carry over)
+        self._target: int | None = None  # the run's last update, where known
         self._fitting = threading.Lock()  # held while `fit` runs
-        self._eval_fn = eval_function(loss, self.step_fn.policy, jit=compile, mesh=mesh)
+        self._eval_fn = eval_function(loss, self.step_fn.policy, jit=step.jit, mesh=step.mesh)
+        self._traced: set = set()  # (model, batch) shapes the loss was traced on
+
+    @property
+    def updates(self) -> int:
+        """Updates taken in the run (skipped ones included); a later `fit` continues it."""
+        return 0 if self._run is None else self._run.updates
+
+    @property
+    def history(self) -> dict[str, list]:
+        """The run's history (what `fit` returns): `train_loss` per epoch, and what hooks
+        added (`eval_loss`, `eval_update`)."""
+        return {"train_loss": []} if self._run is None else self._run.history
 
     @property
     def model(self) -> Any:
@@ -268,7 +313,7 @@ class Trainer:
         """The newest checkpoint: `checkpoint_dir / "checkpoint.ckpt"` (older ones kept as
         `checkpoint-<updates>.ckpt`), or orbax's newest step directory
         `checkpoint_dir / "checkpoint_<updates>"`; None without one."""
-        return newest(self)
+        return None if self.checkpoint_dir is None else self._checkpoints().path
 
     # ---------------------------------------------------------------------------------- fit
 
@@ -350,34 +395,187 @@ class Trainer:
         check_mesh(self.mesh, self.data_axis, stream.batch_size)
         eval_stream = make_eval_stream(eval_data, stream.batch_size)
         check_directory(self.checkpoint_dir)
-        with claim_directory(self.checkpoint_dir), checkpoints(self):
-            if self.state is None:
-                self.state = self.step_fn.init(
-                    self._model, key=state_key, model_state=self._model_state
-                )
-                self._model = self._model_state = None  # held once, in the state
-            self._keep_handed_out()
-            check_model_accepts(self.step_fn, self.loss, self.state, stream)
-            check_eval_data(self.step_fn, self.loss, self.state, eval_data, eval_stream)
-            run = Run(
-                stream=stream,
-                accumulate=self.accumulate,
-                epochs=epochs,
-                updates=updates,
-                eval_stream=eval_stream,
-                eval_every=eval_every,
-                settings=settings(self, stream),
-            )
-            path = self.checkpoint_path
-            if path is not None:
-                resume(self, path, run)
-            else:
-                # Counted from here: a second fit without a checkpoint trains this many more.
-                run.start = self.updates
-            self.history = run.history
-            with sigint(self), tensorboard(self):
-                train(self, run)
+        if self.state is None:
+            model, model_state = self._model, self._model_state
+            self.state = self.step_fn.init(model, key=state_key, model_state=model_state)
+            self._model = self._model_state = None  # held once, in the state
+        self._keep_handed_out()
+        check_model_accepts(self.step_fn, self.loss, self.state, stream, traced=self._traced)
+        check_eval_data(self.step_fn, self.loss, self.state, eval_data, eval_stream, self._traced)
+        # Counted from here: a second fit without a checkpoint trains this many more.
+        run = RunState(
+            stream=stream,
+            settings=settings(self.step_fn, self.optimizer, stream.batch_size, self.config),
+            epochs=epochs,
+            limit=updates,
+            updates=self.updates,
+            start=self.updates,
+            sums=EpochSums(stream.epoch),
+        )
+        if eval_stream is not None:
+            run.history.update(eval_loss=[], eval_update=[])
+        checkpoints = None if self.checkpoint_dir is None else self._checkpoints()
+        hooks = self._hooks(eval_stream, eval_every, checkpoints)
+        with contextlib.ExitStack() as stack:
+            if checkpoints is not None:
+                stack.enter_context(checkpoints.opened(run))
+                restored = checkpoints.restore(self.state)
+                self.state = self.state if restored is None else restored
+            self._run = run
+            for hook in hooks:
+                stack.callback(hook.close)  # closed in reverse order, also on an error
+            self._train(run, hooks, checkpoints)
         return run.history
+
+    def _checkpoints(self) -> Checkpoints:
+        assert self.checkpoint_dir is not None
+        return Checkpoints(self.checkpoint_dir, format=self.checkpoint_format,
+                           every=self.checkpoint_every, seconds=self.checkpoint_seconds,
+                           keep=self.keep_checkpoints, check_resume=self.check_resume,
+                           sharded=self.shard == "fsdp")  # fmt: skip
+
+    def _hooks(self, eval_stream: DataStream | None, eval_every: int | None,
+               checkpoints: Checkpoints | None) -> list[Hook]:  # fmt: skip
+        """One `fit`'s hooks in call order: evaluation (the others hear its loss), progress,
+        TensorBoard, `callback`, yours, checkpoints (saving all that), stop signals."""
+        hooks: list[Hook] = []
+        if eval_stream is not None:
+            hooks.append(Evaluation(self.evaluate, eval_stream, eval_every))
+        hooks.append(Progress(self.progress, self.log_seconds))
+        if self.log_dir is not None:
+            hooks.append(TensorBoard(self.log_dir, loss_scale=self.step_fn.loss_scale is not None))
+        if self.callback is not None:
+            hooks.append(Callback(self.callback, self))
+        hooks += self.hooks
+        if checkpoints is not None:
+            hooks.append(checkpoints)
+        hooks.append(Interrupts(self.interrupt, saving=checkpoints is not None))
+        return hooks
+
+    # ------------------------------------------------------------------------- the loop
+
+    def _train(self, run: RunState, hooks: list[Hook], checkpoints: Checkpoints | None) -> None:
+        """Train until `run` is done (or a hook stops it), then tell the hooks."""
+        self._target = run.target(self.accumulate)
+        call_hooks(hooks, "on_start", self._info(run, run.updates, run.sums.epoch), run.history)
+        if run.sums.epoch < run.stream.epoch:
+            # A checkpoint taken between an epoch's last update and its close.
+            self._close_epoch(run, hooks, run.sums.epoch)
+        while not run.done():
+            self._epoch(run, hooks, checkpoints)
+        call_hooks(hooks, "on_end", self._info(run, run.updates, run.sums.epoch), run.history)
+
+    def _epoch(self, run: RunState, hooks: list[Hook], checkpoints: Checkpoints | None) -> None:
+        """Updates from the stream's position to the end of its epoch (or of the run).
+
+        With a loss scale a non-finite update is skipped inside the step, so update n's
+        metrics are read while update n + 1 runs, unless a hook is `due` at n or the epoch
+        or run ends there; without one, a non-finite update must stop training before the
+        next is applied."""
+        assert self.state is not None
+        stream, epoch = run.stream, run.stream.epoch
+        dtype = self.step_fn.policy.compute_dtype
+        check = None
+        if self.check_data:
+            check = host_check(self.loss, shapes_of(self.state.model), dtype)
+        batches = stream.prefetch(
+            sharding=prefetch_sharding(self.mesh, self.data_axis, stream), check=check
+        )
+        size, stateful = self.accumulate * stream.batch_size, self.state.model_state is not None
+        overlap = self.step_fn.loss_scale is not None
+        pending: tuple[Any, int] | None = None  # (metrics, update) dispatched, not read yet
+        served = False
+        try:
+            for micro in groups(batches, self.accumulate):
+                served = True
+                batch, weights = assemble(micro, size, stateful)
+                self.state, metrics = self.step_fn(self.state, batch, weights)
+                run.updates += 1
+                if pending is not None:
+                    self._finish(run, hooks, checkpoints, *pending, epoch)
+                pending = (metrics, run.updates)
+                ended = stream.epoch != epoch
+                if not overlap or ended or run.done() or any(h.due(run.updates) for h in hooks):
+                    self._finish(run, hooks, checkpoints, *pending, epoch, last=ended)
+                    pending = None
+                    if ended:
+                        self._close_epoch(run, hooks, epoch)
+                    if run.done():
+                        return
+            if pending is not None:
+                self._finish(run, hooks, checkpoints, *pending, epoch)
+                pending = None
+        except BadBatch as bad:
+            if pending is not None:  # keep the state and the history in step
+                self._finish(run, hooks, checkpoints, *pending, epoch)
+            raise bad_batch_error(bad, self.accumulate, run.sums.updates + 1, epoch) from bad.error
+        finally:
+            batches.close()  # stops the prefetch thread on every exit path
+        if not served:
+            raise ValueError(NO_BATCHES.format(epoch=epoch + 1))
+        if run.sums.epoch == epoch:  # the epoch ended without its last update
+            self._close_epoch(run, hooks, epoch)
+
+    def _finish(self, run: RunState, hooks: list[Hook], checkpoints: Checkpoints | None,
+                metrics: dict, update: int, epoch: int, last: bool = False) -> None:  # fmt: skip
+        """Wait for update `update`'s metrics; stop on a non-finite loss; add it to the
+        epoch's sums; tell the hooks."""
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        sums = run.sums
+        where = f"update {sums.updates + 1} of epoch {epoch + 1}"
+        float16 = jnp.dtype(self.step_fn.policy.compute_dtype) == jnp.float16
+        if not values.get("params_finite", 1.0):
+            saved = None if checkpoints is None else checkpoints.saved_update
+            raise FloatingPointError(
+                nonfinite_parameters(where, update, self.checkpoint_dir, saved)
+            )
+        if not values["finite"]:
+            if self.step_fn.loss_scale is None:
+                where = f"{where} (update {update} of the run)"
+                raise FloatingPointError(nonfinite_loss(where, float16))
+            run.skips += 1
+            if run.skips >= self.max_consecutive_skips:
+                raise FloatingPointError(
+                    too_many_skips(run.skips, where, values["loss_scale"], float16)
+                )
+        else:
+            run.skips = 0
+        if math.isfinite(values["loss"]):
+            sums.sum += values["loss"] * values["weight"]
+            sums.weight += values["weight"]
+        sums.updates += 1
+        info = self._info(run, update, epoch, sums.updates, values, last)
+        call_hooks(hooks, "on_update", info, run.history)
+
+    def _close_epoch(self, run: RunState, hooks: list[Hook], epoch: int) -> None:
+        """Record epoch `epoch`'s mean loss, start the next one's sums, tell the hooks."""
+        sums = run.sums
+        run.history["train_loss"].append(sums.mean)
+        run.sums = EpochSums(epoch + 1)
+        info = self._info(run, run.updates, epoch, sums.updates, {"train_loss": sums.mean})
+        call_hooks(hooks, "on_epoch_end", info, run.history)
+
+    def _info(self, run: RunState, update: int, epoch: int, epoch_update: int = 0,
+              metrics: dict | None = None, last: bool = False) -> StepInfo:  # fmt: skip
+        return StepInfo(
+            update=update,
+            epoch=epoch,
+            epoch_update=epoch_update,
+            metrics={} if metrics is None else metrics,
+            target=self._target,
+            last_in_epoch=last,
+            read_state=self._state_after,
+            request_stop=self._stop,
+        )
+
+    def _state_after(self, update: int) -> TrainState | None:  # `StepInfo.state`
+        return self.state if update == self.updates else None
+
+    def _stop(self) -> None:  # `StepInfo.stop`: the loop ends after the update in flight
+        if self._run is not None:
+            self._run.stop = True
+
+    # ------------------------------------------------------------------------ evaluate
 
     def evaluate(self, data: tuple | DataStream, micro_batch: int | None = None) -> float:
         """Mean loss over every sample of `data` (arrays or a `DataStream`), no update.
@@ -385,4 +583,16 @@ class Trainer:
         The model runs in `eqx.nn.inference_mode` and the loss gets no key: dropout is off
         and BatchNorm uses its running statistics.
         """
-        return evaluate(self, data, micro_batch)
+        check_int("micro_batch", micro_batch, 1, none=True, alternative="samples per batch")
+        stream = (
+            data if isinstance(data, DataStream) else make_eval_stream(data, micro_batch or 256)
+        )
+        assert stream is not None
+        model, model_state = self._held()
+        dtype = self.step_fn.policy.compute_dtype
+
+        def check(batch: tuple) -> None:  # as training batches are: NaN, labels out of range
+            check_data(self.loss, model, batch, dtype)
+
+        return mean_loss(self._eval_fn, model, model_state, stream,
+                         check if self.check_data else None)  # fmt: skip
