@@ -82,7 +82,7 @@ def test_sparse_forward_equals_densified_model(getkey):
     dense = sp.densify(sparse)
     np.testing.assert_allclose(jax.vmap(sparse)(x), jax.vmap(dense)(x), rtol=1e-5, atol=1e-6)
     # densify keeps the dense weights only where the slots point
-    for (_, s), d in zip(sp.sparse_layers(sparse), dense.layers, strict=True):
+    for (_, s), d in zip(sp._convert.sparse_layers(sparse), dense.layers, strict=True):
         assert int(jnp.sum(d.weight != 0)) == int(s.nnz())
 
 
@@ -94,13 +94,13 @@ def test_counts_uniform_and_erk(getkey):
         assert s.layers == 3 and s.size == 64 * 128 + 128 * 128 + 128 * 10
         assert abs(s.nnz - 0.3 * s.size) <= 3  # one rounding per layer
         assert s.capacity == s.nnz
-        for _, layer in sp.sparse_layers(sparse):
+        for _, layer in sp._convert.sparse_layers(sparse):
             live = np.asarray(layer.indices)
             assert len(set(live.tolist())) == live.size and live.max() < layer.size
     erk = sp.sparsify(net, 0.3, key=getkey(), distribution="erk")
-    dens = [int(x.nnz()) / x.size for _, x in sp.sparse_layers(erk)]
+    dens = [int(x.nnz()) / x.size for _, x in sp._convert.sparse_layers(erk)]
     assert dens[2] == 1.0 and dens[0] > dens[1]  # small layers denser; the last one dense
-    assert sp.erk_densities([(10, 10)], 0.5) == [0.5]
+    assert sp._convert.erk_densities([(10, 10)], 0.5) == [0.5]
 
 
 def test_slack_and_index_dtypes(getkey):
@@ -110,8 +110,8 @@ def test_slack_and_index_dtypes(getkey):
     assert first.indices.dtype == jnp.int16 and last.indices.dtype == jnp.int8
     assert first.capacity == 96 and int(first.nnz()) == 64
     assert np.all(np.asarray(first.values)[64:] == 0) and np.all(first.indices[64:] == 128)
-    assert sp.index_dtype(127) == jnp.int8 and sp.index_dtype(128) == jnp.int16
-    assert sp.index_dtype(32767) == jnp.int16 and sp.index_dtype(32768) == jnp.int32
+    assert sp._storage.index_dtype(127) == jnp.int8 and sp._storage.index_dtype(128) == jnp.int16
+    assert sp._storage.index_dtype(32767) == jnp.int16 and sp._storage.index_dtype(32768) == jnp.int32
     assert sp.stats(sparse).index_bytes == 96 * 2 + 48 * 1
 
 
@@ -178,7 +178,7 @@ def test_bit_set_storage_of_stacked_layers_and_its_bytes(getkey):
     bits = sp.sparsify(enc, 0.3, key=key, slack=0.1, storage="bits")
     qkv = bits.blocks.qkv
     assert qkv.indices.shape == (3, qkv.size // 8) and qkv.positions().shape == (3, qkv.capacity)
-    for (_, a), (_, b) in zip(sp.sparse_layers(kept), sp.sparse_layers(bits), strict=True):
+    for (_, a), (_, b) in zip(sp._convert.sparse_layers(kept), sp._convert.sparse_layers(bits), strict=True):
         np.testing.assert_array_equal(a.indices, b.positions())
     x = jr.normal(getkey(), (2, 5, 16))
     run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
@@ -198,7 +198,7 @@ def test_bit_set_storage_of_stacked_layers_and_its_bytes(getkey):
 def test_stacked_layers_of_the_encoder(getkey):
     enc = el.nn.transformer_encoder(3, 16, 2, 32, key=getkey(), remat=True)
     sparse = sp.sparsify(enc, 0.3, key=getkey(), slack=0.1)
-    paths = [p for p, _ in sp.sparse_layers(sparse)]
+    paths = [p for p, _ in sp._convert.sparse_layers(sparse)]
     assert len(paths) == 4 and all(p.endswith(("qkv", "proj", "ff1", "ff2")) for p in paths)
     qkv = sparse.blocks.qkv
     assert qkv.stack_shape == (3,) and qkv.values.shape == (3, qkv.capacity)
@@ -280,7 +280,7 @@ def test_per_layer_density_function(getkey):
     sparse = sp.sparsify(
         net, lambda path, layer: 1.0 if path == ".layers[2]" else 0.25, key=getkey()
     )
-    counts = [int(x.nnz()) for _, x in sp.sparse_layers(sparse)]
+    counts = [int(x.nnz()) for _, x in sp._convert.sparse_layers(sparse)]
     assert counts == [32, 64, 64]
     assert sp.density(net) == 1.0 and sp.stats(net).layers == 0
 

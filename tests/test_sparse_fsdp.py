@@ -31,7 +31,7 @@ BODY = textwrap.dedent(
         step = el.train.make_step(el.train.mse, optax.adam(1e-2), after_update=hook, **kw)
         state = step.init(model, key=jr.PRNGKey(4))
         specs = [str(getattr(l.indices.sharding, "spec", ""))
-                 for _, l in sp.sparse_layers(state.model)]
+                 for _, l in sp._convert.sparse_layers(state.model)]
         for _ in range(7):
             state, metrics = step(state, (x, y))
         leaves = jax.tree.leaves(eqx.filter((state.model, state.opt_state), eqx.is_array))
@@ -44,7 +44,7 @@ BODY = textwrap.dedent(
     else:
         mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
     four, specs, loss_four = train(mesh=mesh, shard="fsdp")
-    layers = [l for _, l in sp.sparse_layers(model)]
+    layers = [l for _, l in sp._convert.sparse_layers(model)]
     out = {
         "devices": jax.device_count(),
         "specs": specs,

@@ -74,7 +74,7 @@ def test_a_bit_set_stores_one_bit_per_weight_and_its_positions_are_never_held():
     # int32 indices (the 1024 x 1024 layers) or int16 give way to ceil(size / 8) bytes
     saved = sum(
         x.capacity * jnp.dtype(x.indices.dtype).itemsize - -(-x.size // 8)
-        for (_, x) in sp.sparse_layers(kept)
+        for (_, x) in sp._convert.sparse_layers(kept)
     )
     assert saved > 3.5 * 2**20 and state_bits == state_kept - saved
     # The positions are walked a chunk at a time where a layer runs, never held for the

@@ -56,7 +56,7 @@ def _check_in_position_order(layer):
 
 
 def _check_invariants(model, opt_state):
-    for path, layer in sp.sparse_layers(model):
+    for path, layer in sp._convert.sparse_layers(model):
         idx = np.asarray(layer.indices).reshape(-1)
         live = idx[idx < layer.size]
         assert len(set(live.tolist())) == live.size, f"{path}: an index repeats"
@@ -65,7 +65,7 @@ def _check_invariants(model, opt_state):
         assert np.all(np.asarray(layer.values, np.float32).reshape(-1)[empty] == 0)
     for moment in _moments(opt_state):
         for (_, layer), m in zip(
-            sp.sparse_layers(model), [x for _, x in sp.sparse_layers(moment)], strict=True
+            sp._convert.sparse_layers(model), [x for _, x in sp._convert.sparse_layers(moment)], strict=True
         ):
             empty = np.asarray(layer.indices) >= layer.size
             assert np.all(np.asarray(m.values, np.float32)[empty] == 0)
@@ -112,13 +112,13 @@ def test_a_bit_set_storage_rewires_exactly_as_indices(name, steps, getkey):
             state, metrics = steps[name](state, batch)
             assert bool(metrics["finite"])
         out[storage] = state
-    kept, bits = (sp.sparse_layers(out[s].model) for s in ("indices", "bits"))
+    kept, bits = (sp._convert.sparse_layers(out[s].model) for s in ("indices", "bits"))
     for (_, a), (_, b) in zip(kept, bits, strict=True):
         assert b.indices.dtype == jnp.uint8 and b.indices.shape == (-(-b.size // 8),)
         np.testing.assert_array_equal(np.asarray(a.indices, np.int32), b.positions())
     assert any(  # rewiring moved slots
         not np.array_equal(np.asarray(b.positions()), np.asarray(m.indices))
-        for (_, b), (_, m) in zip(bits, sp.sparse_layers(_model(key)), strict=True)
+        for (_, b), (_, m) in zip(bits, sp._convert.sparse_layers(_model(key)), strict=True)
     )
     floats = [eqx.filter(out[s], eqx.is_inexact_array) for s in ("indices", "bits")]
     for a, b in zip(*map(jax.tree.leaves, floats), strict=True):
@@ -130,15 +130,15 @@ def test_invariants_after_rewiring_in_the_step(name, steps, getkey):
     step = steps[name]
     model = _model(getkey())
     state = step.init(model, key=getkey())
-    before = [np.asarray(x.nnz()) for _, x in sp.sparse_layers(state.model)]
-    first = [np.asarray(x.indices) for _, x in sp.sparse_layers(state.model)]
+    before = [np.asarray(x.nnz()) for _, x in sp._convert.sparse_layers(state.model)]
+    first = [np.asarray(x.indices) for _, x in sp._convert.sparse_layers(state.model)]
     batch = _data(getkey())
     for i in range(8):
         state, metrics = step(state, batch)
         assert bool(metrics["finite"])
         if i == 0:
             compiled = step._jitted._cache_size()
-    after = [np.asarray(x.nnz()) for _, x in sp.sparse_layers(state.model)]
+    after = [np.asarray(x.nnz()) for _, x in sp._convert.sparse_layers(state.model)]
     if name == "dsr":
         assert sum(int(a.sum()) for a in after) == sum(int(b.sum()) for b in before)
         assert state.hook_state.threshold_exp.shape == ()  # one H for the whole model
@@ -148,11 +148,11 @@ def test_invariants_after_rewiring_in_the_step(name, steps, getkey):
             np.testing.assert_array_equal(a, b)
     moved = [
         not np.array_equal(np.asarray(x.indices), f)
-        for (_, x), f in zip(sp.sparse_layers(state.model), first, strict=True)
+        for (_, x), f in zip(sp._convert.sparse_layers(state.model), first, strict=True)
     ]
     assert all(moved)
     _check_invariants(state.model, state.opt_state)
-    for _, layer in sp.sparse_layers(state.model):  # the last step rewired
+    for _, layer in sp._convert.sparse_layers(state.model):  # the last step rewired
         _check_in_position_order(layer)
     # rewiring never recompiles (the step is shared: its programs are counted from the first)
     assert step._jitted._cache_size() == compiled
@@ -168,7 +168,7 @@ def test_slots_change_only_inside_the_rewiring_loops(name, steps, getkey):
     state = step.init(_model(getkey()), key=getkey())
     batch = _data(getkey())
     traced = step.trace(state, batch)
-    slots = {x.values.shape for _, x in sp.sparse_layers(state.model)}
+    slots = {x.values.shape for _, x in sp._convert.sparse_layers(state.model)}
     producer = {v: eqn for eqn in traced.jaxpr.jaxpr.eqns for v in eqn.outvars}
     made_by = [
         producer[v].primitive.name if v in producer else "the input"
@@ -241,7 +241,7 @@ def test_dsr_threshold_rule_on_a_hand_made_set():
         key=jr.PRNGKey(0),
         hook_state=dsr.init(model),  # H as one scalar for the whole model
     )
-    assert state.hook_state == sp.DSRState(jnp.int32(0))
+    assert state.hook_state == sp._rules.DSRState(jnp.int32(0))
     # H = 1e-3 prunes |w| < 1e-3: a's 0.0005 and -0.0001, b's 0.0009 (3 weights). The
     # target is fraction * 32 = 3.2 weights, so 3 < (1 - 0.1) * 3.2 = 2.88 is false and
     # 3 > 3.52 is false: H stays.
@@ -259,7 +259,7 @@ def test_dsr_threshold_rule_on_a_hand_made_set():
     # 3 regrown in proportion to survivors (a: 4, b: 5): allocate gives a 1 (+1), b 1 (+0)
     assert int(na.nnz()) + int(nb.nnz()) == 12
     np.testing.assert_array_equal(
-        sp.allocate(jnp.int32(3), jnp.array([4, 5]), jnp.array([4, 3])), [1, 2]
+        sp._rules.allocate(jnp.int32(3), jnp.array([4, 5]), jnp.array([4, 3])), [1, 2]
     )
     assert int(na.nnz()) == 4 + 1 and int(nb.nnz()) == 5 + 2
     # pruned and grown weights carry zero momentum, untouched ones keep theirs; by position,
@@ -368,7 +368,7 @@ def _reference_rigl(model, batch, steps, period, fraction, total, lr):
 
 
 def _capacity(model, size):
-    return next(x.capacity for _, x in sp.sparse_layers(model) if x.size == size)
+    return next(x.capacity for _, x in sp._convert.sparse_layers(model) if x.size == size)
 
 
 def test_rigl_step_equals_a_dense_mask_reference(steps, getkey):
@@ -509,10 +509,10 @@ def test_grown_slots_get_zero_state_under_optimizer_wrappers(name, getkey):
     state = step.init(_model(getkey()), key=getkey())
     batch = _data(getkey())
     for _ in range(3):
-        before = [np.asarray(x.positions()) for _, x in sp.sparse_layers(state.model)]
+        before = [np.asarray(x.positions()) for _, x in sp._convert.sparse_layers(state.model)]
         state, metrics = step(state, batch)
         assert bool(metrics["finite"])
-    for (path, layer), old in zip(sp.sparse_layers(state.model), before, strict=True):
+    for (path, layer), old in zip(sp._convert.sparse_layers(state.model), before, strict=True):
         entries = _entries(state.opt_state, f"{path}.values")
         assert len(entries) == per_layer, (path, len(entries))
         now = np.asarray(layer.positions())

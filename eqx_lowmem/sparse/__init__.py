@@ -3,9 +3,9 @@ optimizer's state) are the non-zero weights only, and rewiring hooks for the tra
 
 - `SparseLinear`, `SparseConv2d`: drop-in sparse versions of `eqx.nn.Linear` / `eqx.nn.Conv2d`.
 - `sparsify`, `densify`: convert a model's layers (uniform or ERK densities) and back.
-- `dsr`, `set_`, `rigl`: rewiring as `make_step(..., after_update=hook)` (`DSRState`: the
-  threshold DSR keeps in `TrainState.hook_state`).
-- `stats`, `density`, `sparse_layers`: what the sparse layers hold.
+- `dsr`, `set_`, `rigl`: rewiring as `make_step(..., after_update=hook)` (DSR keeps its
+  threshold in `TrainState.hook_state`).
+- `stats`, `density`: what the sparse layers hold.
 """
 
 from .._deprecated import moved as _moved
