@@ -104,3 +104,21 @@ def test_16_bit_softmax_jvp_matches_float32_softmax(getkey):
     # One bfloat16 rounding of each (8 bits of mantissa).
     assert tree_allclose(t.astype(jnp.float32), t_ref, rtol=2**-7, atol=2**-8)
     assert tree_allclose(y.astype(jnp.float32), y_ref, rtol=2**-7, atol=2**-8)
+
+
+@pytest.mark.parametrize("remat", [False, True, "minimal"])
+def test_transformer_block_jvp_agrees_with_its_gradient(getkey, remat):
+    # <ct, J dx> from forward mode equals <J^T ct, dx> from reverse mode (which the other
+    # tests check against plain autodiff), under vmap over a batch.
+    block = el.nn.TransformerBlock(16, 2, 24, key=getkey(), remat=remat)
+    params, static = eqx.partition(block, eqx.is_inexact_array)
+    x, dx, ct = (jr.normal(getkey(), (3, 6, 16)) for _ in range(3))
+    dp = jax.tree.map(lambda a: jr.normal(getkey(), a.shape), params)
+
+    def f(p, x):
+        return jax.vmap(eqx.combine(p, static))(x)
+
+    _, t = jax.jvp(f, (params, x), (dp, dx))
+    gp, gx = jax.grad(lambda p, x: jnp.sum(f(p, x) * ct), argnums=(0, 1))(params, x)
+    pairs = jax.tree.leaves(jax.tree.map(lambda g, d: jnp.sum(g * d), (gp, gx), (dp, dx)))
+    assert tree_allclose(jnp.sum(t * ct), sum(pairs), rtol=1e-4, atol=1e-4)
