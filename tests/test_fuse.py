@@ -99,7 +99,8 @@ def test_the_report_counts_no_micro_batch_gradient_for_a_fused_stack(remat, segm
     stack_bytes = sum(a.nbytes for a in _floats(blocks))
     report = el.memory.memory_report(blocks, el.train.mse, optax.sgd(0.1), (x, x), accumulate=4)
     assert report.parts["gradients"] == 0 and report.parts["accumulator"] == stack_bytes
-    assert sum(report.parts.values()) == report.peak_bytes + report.overlap_bytes
+    # The parts are disjoint pieces of the compiled step: together within its peak.
+    assert report.overlap_bytes == 0 and report.parts["other"] >= 0
     assert any("Fused accumulation" in n for n in report.notes)
     off = el.memory.memory_report(blocks, el.train.mse, optax.sgd(0.1), (x, x), accumulate=4,
                                   fuse_accumulation=False)  # fmt: skip

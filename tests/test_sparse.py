@@ -3,6 +3,7 @@
 import ast
 import dataclasses
 import pathlib
+import re
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -383,3 +384,24 @@ def test_a_new_sparse_layer_type_is_one_class(getkey):
     new = eqx.filter_jit(sp.set_(period=1, fraction=0.5))(state, _Info(None, getkey(), None))
     assert int(new.model["scale"].nnz()) == 20
     assert not np.array_equal(new.model["scale"].indices, layer.indices)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_a_sparse_layer_on_the_data_computes_no_input_gradient(getkey, kind):
+    # The first layer's input is the data: nobody asks for its gradient. The compiled
+    # gradient step runs as many products (dots or convolutions) as the dense layer's.
+    if kind == "linear":
+        dense, x = eqx.nn.Linear(8, 16, key=getkey()), jr.normal(getkey(), (5, 8))
+    else:
+        dense, x = eqx.nn.Conv2d(3, 4, 3, key=getkey()), jr.normal(getkey(), (5, 3, 8, 8))
+
+    def products(model):
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+
+        def loss(p):
+            return jnp.sum(jax.vmap(eqx.combine(p, static))(x) ** 2)
+
+        hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+        return len(re.findall(r"= \S+ (?:dot|convolution)\(", hlo))
+
+    assert products(sp.sparsify(dense, 0.5, key=getkey())) == products(dense) == 2

@@ -12,7 +12,7 @@ import pytest
 import eqx_lowmem as el
 from eqx_lowmem.train._accumulate import accumulate, loss_grad
 from eqx_lowmem.train._loss import call_loss, mean_loss
-from eqx_lowmem.train._update import apply_updates, if_finite, mean_gradient
+from eqx_lowmem.train._update import apply_updates, if_finite_cond, mean_gradient
 
 from .helpers import compile_as_users, tree_allclose
 
@@ -150,10 +150,21 @@ def test_apply_updates_plain_and_stochastic(getkey):
     assert bool(jnp.all(jnp.abs(out["w"].astype(jnp.float32) - exact) <= ulp))
 
 
-def test_if_finite_keeps_the_old_state():
-    old, new = {"a": jnp.zeros(2)}, {"a": jnp.ones(2)}
-    np.testing.assert_array_equal(if_finite(jnp.bool_(False), lambda: new, old)["a"], 0.0)
-    np.testing.assert_array_equal(if_finite(jnp.bool_(True), lambda: new, old)["a"], 1.0)
+def test_if_finite_cond_keeps_the_old_state_and_skips_the_update():
+    # The step's own selection (`make_step` calls `if_finite_cond`): the update is not
+    # computed on a skipped step (its side effect, a callback, does not run).
+    ran = []
+
+    def apply():
+        jax.debug.callback(lambda: ran.append(1))
+        return {"a": jnp.ones(2)}
+
+    old = {"a": jnp.zeros(2)}
+    step = jax.jit(lambda finite: if_finite_cond(finite, apply, old))
+    np.testing.assert_array_equal(jax.block_until_ready(step(jnp.bool_(False)))["a"], 0.0)
+    assert ran == []
+    np.testing.assert_array_equal(jax.block_until_ready(step(jnp.bool_(True)))["a"], 1.0)
+    assert ran == [1]
 
 
 # -- after_update ------------------------------------------------------------------------

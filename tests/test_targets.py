@@ -58,7 +58,7 @@ def test_an_h100_report_equals_the_step_compiled_by_hand_for_that_gpu(reports):
     assert report.config["target"] == "h100"
     assert "compile-only target 'h100'" in str(report)
     # The whole report works for the GPU: what is live at its peak adds up to it.
-    assert report.live_peak_bytes + report.packing_bytes == report.peak_bytes
+    assert report.compiled["argument"] <= report.live_peak_bytes <= report.peak_bytes
 
 
 def test_16_bit_activations_halve_on_the_gpu_where_xla_cpu_keeps_float32(reports):

@@ -58,12 +58,16 @@ def compile_step(
     lowered = traced.lower()
     options = options_for(target)
     try:
-        compiled, peak = compile_with_peak(lowered, options, parts, sixteen_bit=sixteen)
+        compiled, peak = compile_with_peak(
+            lowered, options, parts, sixteen_bit=sixteen, target=repr(target)
+        )
     except Exception as e:
         retry = options.get("xla_gpu_enable_triton_gemm") is not False
         if target.backend == "gpu" and "tile sizes" in str(e) and retry:
             options = {**options, **NO_TRITON_GEMM}
-            compiled, peak = compile_with_peak(lowered, options, parts, sixteen_bit=sixteen)
+            compiled, peak = compile_with_peak(
+                lowered, options, parts, sixteen_bit=sixteen, target=repr(target)
+            )
         elif "compile option" in str(e):  # an XLA without the option: compile as usual
             compiled, peak, options = lowered.compile(), None, {}
         else:

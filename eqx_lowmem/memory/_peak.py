@@ -8,8 +8,10 @@ its buffer assignment, the live buffers at the peak of its heap simulation among
 module reads that dump and names every live buffer by where it comes from.
 """
 
+import collections
 import dataclasses
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -43,9 +45,24 @@ PEAK_LABELS: dict[str, str] = {
     "other": "other temporaries",
 }
 # The options that make XLA write the optimized module as text and its buffer assignment
-# with live ranges (`*-buffer-assignment.txt`, `*-live-range.txt`): set, not left to the
-# jaxlib's defaults (the analysis option defaults to on in jaxlib 0.10 only by chance).
-DUMP_OPTIONS = {"xla_dump_hlo_as_text": True, "xla_dump_buffer_assignment_analysis": True}
+# with live ranges (`*_after_optimizations.txt`, `*-buffer-assignment.txt`,
+# `*-live-range.txt`), each set rather than left to the jaxlib's defaults or to a user's
+# XLA_FLAGS (the analysis option defaults to on in jaxlib 0.10 only by chance): every
+# module dumped, as text, with the op names the parts are read from.
+DUMP_OPTIONS = {
+    "xla_dump_hlo_as_text": True,
+    "xla_dump_buffer_assignment_analysis": True,
+    "xla_dump_hlo_module_re": ".*",
+    "xla_dump_disable_metadata": False,
+}
+# Compilations kept for reuse: a report and a plan (or two reports) of one step compile it
+# once. Each holds a compiled executable: a few, not every candidate a plan tries.
+_CACHE_SIZE = 8
+_CACHE: collections.OrderedDict[tuple, tuple[Any, tuple[str, str, str] | None]] = (
+    collections.OrderedDict()
+)
+# Compilations this process ran for `compile_with_peak` (what the cache saves: tests).
+compile_count = 0
 
 _LIVE = re.compile(r"^\s+(\S+?)\{([0-9,]*)\}: (\d+) bytes", re.M)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([a-z][a-z0-9-]*)\((.*)$")
@@ -152,21 +169,38 @@ def read_peak(
         sixteen_bit: the step computes in 16 bits, so a float32 result of a matrix
             product or convolution is the backend's (XLA:CPU computes them in float32).
     """
+    dumps = _read_dumps(directory, remove=remove)
+    if dumps is None:
+        return None
+    return _parse_peak(dumps, argument_part, sixteen_bit)
+
+
+def _read_dumps(directory: str, *, remove: bool = True) -> tuple[str, str, str] | None:
+    """The live ranges, optimized module and buffer assignment XLA dumped in `directory`."""
+    texts = []
     try:
-        live = _only(directory, "*_after_optimizations-live-range.txt")
-        module = _only(directory, "*_after_optimizations.txt")
-        assignment = _only(directory, "*_after_optimizations-buffer-assignment.txt")
-        if live is None or module is None or assignment is None:
-            return None
-        with open(live) as f:
-            text = f.read()
-        with open(module) as f:
-            hlo = _Module(f.read())
-        with open(assignment) as f:
-            places, parameters = _allocations(f.read())
+        for pattern in (
+            "*_after_optimizations-live-range.txt",
+            "*_after_optimizations.txt",
+            "*_after_optimizations-buffer-assignment.txt",
+        ):
+            path = _only(directory, pattern)
+            if path is None:
+                return None
+            with open(path) as f:
+                texts.append(f.read())
     finally:
         if remove:
             shutil.rmtree(directory, ignore_errors=True)
+    return texts[0], texts[1], texts[2]
+
+
+def _parse_peak(
+    dumps: tuple[str, str, str], argument_part: Callable[[str], str], sixteen_bit: bool
+) -> Peak | None:
+    text, module_text, assignment_text = dumps
+    hlo = _Module(module_text)
+    places, parameters = _allocations(assignment_text)
     head = text.find("(peak):")
     if head < 0:
         return None
@@ -373,9 +407,30 @@ def compile_with_peak(
     argument_part: Callable[[str], str],
     *,
     sixteen_bit: bool = False,
+    target: str = "",
 ) -> tuple[Any, Peak | None]:
     """`lowered.compile(compiler_options=options)` with XLA's dump in a temporary
-    directory, and the live set at its peak (None where it cannot be read)."""
+    directory, and the live set at its peak (None where it cannot be read).
+
+    The compilation is kept (the last `_CACHE_SIZE`, keyed on the lowered module's text,
+    `options` and `target`, the description of the machine compiled for): a second call
+    for the same program reuses it, with no compile, and reads its dump again.
+    """
+    key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), repr(sorted(options.items(),
+           key=lambda kv: kv[0])), target)  # fmt: skip
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+    else:
+        _CACHE[key] = _compile_dumped(lowered, options)
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    compiled, dumps = _CACHE[key]
+    return compiled, None if dumps is None else _parse_peak(dumps, argument_part, sixteen_bit)
+
+
+def _compile_dumped(lowered: Any, options: dict[str, Any]) -> tuple[Any, tuple | None]:
+    global compile_count
+    compile_count += 1
     directory = tempfile.mkdtemp(prefix="eqx_lowmem_xla_")
     try:
         compiled = lowered.compile(compiler_options={**options, **DUMP_OPTIONS,
@@ -385,4 +440,4 @@ def compile_with_peak(
         if "compile option" not in str(e) and "xla_dump" not in str(e):
             raise
         return lowered.compile(compiler_options=options), None
-    return compiled, read_peak(directory, argument_part, sixteen_bit=sixteen_bit)
+    return compiled, _read_dumps(directory)

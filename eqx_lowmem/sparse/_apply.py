@@ -22,6 +22,7 @@ from ..nn._conv import (
     conv_weight_grad,
     explicit_padding,
 )
+from ..nn._jvp import is_zero
 from ..nn._trace import batched_on_top
 from ._storage import _gather, _scatter, is_bitset
 
@@ -44,7 +45,7 @@ def _batched_op(op: tuple, weight: Array, x: Array) -> Array:
     )
 
 
-def _canonical(op: tuple, weight: Array, x: Array) -> Conv:
+def _canonical(op: tuple, weight: Array | jax.ShapeDtypeStruct, x: Array) -> Conv:
     """A convolution op's (stride, explicit padding, dilation) for a batch `x`."""
     _, stride, padding, dilation, _ = op
     pads = explicit_padding(padding, x.shape[2:], weight.shape[2:], stride, dilation)
@@ -100,28 +101,46 @@ def _batch_vjp(op: tuple, shape: tuple[int, ...]) -> Callable:
         return forward(values, indices, x)
 
     def fwd(values, indices, x):
-        return forward(values, indices, x), (values, indices, x)
+        # symbolic_zeros: each primal comes with whether it is differentiated. An input
+        # nobody differentiates (the data into the first layer) gets no gradient: the
+        # residuals' structure says so (None), and the backward pass skips that product.
+        values, indices, wants_x = values.value, indices.value, x.perturbed
+        x = x.value
+        out = forward(values, indices, x)
+        return out, (values, indices, x, () if wants_x else None)
 
     def bwd(res, grad):
-        values, indices, x = res
+        values, indices, x, wants_x = res
+        if is_zero(grad):  # the output unused: no gradient at all
+            return jnp.zeros_like(values), None, None if wants_x is None else jnp.zeros_like(x)
         indices = _late(indices, grad)  # a bit set: walked again, after the gradient
-        weight = _scatter(values, indices, shape, _after(jnp.zeros((size,), values.dtype), grad))
-        # The weight is dead once grad_x exists: the weight gradient is built after it.
-        if op[0] == "conv" and op[4] == 1:  # canonical on XLA:CPU (eqx_lowmem.nn._conv)
-            conv = _canonical(op, weight, x)
-            grad_x = conv_input_grad(grad, weight, x.shape[2:], conv).astype(x.dtype)
-            grad_weight = conv_weight_grad(_after(x, grad_x), grad, shape[2:], conv)
-        else:
-            _, vjp_x = jax.vjp(lambda x: _batched_op(op, weight, x), x)
-            (grad_x,) = vjp_x(grad)
-            x_late = _after(x, grad_x)
-            zeros = jnp.zeros(shape, values.dtype)
-            _, vjp_w = jax.vjp(lambda w: _batched_op(op, w, x_late), zeros)
-            (grad_weight,) = vjp_w(grad)
+        grad_x, after = None, grad
+        if wants_x is not None:
+            grad_x = _input_grad(values, indices, x, grad)
+            after = grad_x  # the dense weight is dead once grad_x exists
+        grad_weight = _weight_grad(x, grad, after, values.dtype)
         grad_values = _gather(grad_weight.reshape(-1), indices, values.shape[-1])
         return grad_values.astype(values.dtype), None, grad_x
 
-    f.defvjp(fwd, bwd)
+    def _input_grad(values, indices, x, grad):
+        weight = _scatter(values, indices, shape, _after(jnp.zeros((size,), values.dtype), grad))
+        if op[0] == "conv" and op[4] == 1:  # canonical on XLA:CPU (eqx_lowmem.nn._conv)
+            conv = _canonical(op, weight, x)
+            return conv_input_grad(grad, weight, x.shape[2:], conv).astype(x.dtype)
+        _, vjp_x = jax.vjp(lambda x: _batched_op(op, weight, x), x)
+        return vjp_x(grad)[0]
+
+    def _weight_grad(x, grad, after, dtype):
+        # Built after `after` (the input gradient, when there is one).
+        x_late = _after(x, after)
+        if op[0] == "conv" and op[4] == 1:
+            conv = _canonical(op, jax.ShapeDtypeStruct(shape, dtype), x)
+            return conv_weight_grad(x_late, grad, shape[2:], conv)
+        zeros = jnp.zeros(shape, dtype)
+        _, vjp_w = jax.vjp(lambda w: _batched_op(op, w, x_late), zeros)
+        return vjp_w(grad)[0]
+
+    f.defvjp(fwd, bwd, symbolic_zeros=True)
     return f
 
 
