@@ -47,8 +47,9 @@ def test_first_update_is_adams_and_stored_moments_within_code_resolution(getkey)
     with jax.numpy_dtype_promotion("standard"):  # optax's bias correction: float ** int32
         u32, s32 = jax.jit(adam.update)(grads, adam.init(params), params)
         u8, s8 = jax.jit(q.update)(grads, q.init(params), params)
-    # zero state dequantises exactly to zero: the first update is Adam's, bit for bit
-    assert eqx.tree_equal(u32, u8)
+    # zero state dequantises exactly to zero: the first update is Adam's (to float32
+    # rounding: the two programs fuse the same arithmetic differently)
+    assert eqx.tree_equal(u32, u8, rtol=1e-6, atol=0.0)
     for name, signed in (("mu", True), ("nu", False)):
         stored = getattr(s8.inner[0], name)
         exact = getattr(s32[0], name)
@@ -68,20 +69,54 @@ def test_adam_state_is_at_most_2_1_bytes_a_parameter():
     assert nbytes / (8 * 512 * 256) <= 2.1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 39 goal not met yet: XLA:CPU materialises the dequantised state "
-    "(measured temp 16 MiB against 8 MiB of float32 state); see quant8's report",
-)
-def test_no_float32_state_copy_in_the_compiled_update():
-    params = {f"w{i}": jnp.zeros((512, 256)) for i in range(8)}
+@pytest.mark.parametrize("shape", [(512, 256), (4096, 8), (64, 2048)])
+def test_no_float32_state_copy_in_the_compiled_update(shape):
+    # 8 leaves of 128k elements: Adam's float32 moments would be 8 MiB; the update runs a
+    # chunk of rows at a time, one leaf after the other (at shape (64, 2048) a chunk is
+    # 16 rows: blocks of 2048 are whole rows)
+    params = {f"w{i}": jnp.zeros(shape) for i in range(8)}
     opt = quantized_state(optax.adam(1e-3))
     state = opt.init(params)
     with jax.numpy_dtype_promotion("standard"):
         compiled = compile_as_users(jax.jit(opt.update).lower(params, state, params))
     temp = compiled.memory_analysis().temp_size_in_bytes
     float32_state = 8 * 8 * 512 * 256  # mu and nu in float32
-    assert temp < float32_state, (temp, float32_state)
+    assert temp <= float32_state / 4, (temp, float32_state)
+
+
+def test_update_equals_the_dense_path_chunk_by_chunk(getkey):
+    """Chunked (element-wise optimizer) and whole (its fallback) give the same state."""
+    params = {"w": jr.normal(getkey(), (40, 96)), "v": jr.normal(getkey(), (3000,))}
+    grads = [jax.tree.map(lambda p: jr.normal(getkey(), p.shape), params) for _ in range(3)]
+    mask = {"w": True, "v": False}
+    outs = []
+    for chunk in (256, 1 << 16):
+        opt = quantized_state(optax.adamw(1e-2, mask=mask), block=128, chunk=chunk)
+        state, p = opt.init(params), params
+        with jax.numpy_dtype_promotion("standard"):
+            for g in grads:
+                u, state = jax.jit(opt.update)(g, state, p)
+                p = optax.apply_updates(p, u)
+        outs.append((p, state))
+    assert eqx.tree_equal(outs[0][1], outs[1][1], rtol=1e-6, atol=1e-9)
+    assert eqx.tree_equal(outs[0][0], outs[1][0], rtol=1e-6, atol=1e-9)
+
+
+def test_not_elementwise_optimizers_run_whole_and_match(getkey):
+    """Global-norm clipping inside reads every leaf: the update runs whole, as it must."""
+    from eqx_lowmem.precision._elementwise import elementwise_labels
+
+    params = {"w": jr.normal(getkey(), (40, 96))}
+    g = jax.tree.map(lambda p: 10 * jr.normal(getkey(), p.shape), params)
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    leaves = jax.tree.leaves(g)
+    assert elementwise_labels(lambda x: x / jnp.sum(x), leaves, [0]) is None
+    assert elementwise_labels(lambda x: x * 2.0, leaves, [0]) is not None
+    with jax.numpy_dtype_promotion("standard"):
+        u32, _ = clipped.update(g, clipped.init(params), params)
+        q = quantized_state(clipped, block=128, chunk=256)
+        u8, _ = jax.jit(q.update)(g, q.init(params), params)
+    assert eqx.tree_equal(u32, u8, rtol=1e-5, atol=0.0)
 
 
 def test_trains_under_make_step_with_accumulation_loss_scaling_and_resumes(tmp_path, getkey):
