@@ -161,3 +161,21 @@ def test_bad_arguments():
     for block in (0, -4, True):
         with pytest.raises(ValueError, match=rf"block={block!r}\); expected a positive int"):
             quantized_state(optax.adam(1e-3), block=block)
+
+
+def test_state_not_laid_out_like_the_parameters_is_refused_naming_the_leaf():
+    # Adafactor's factored second moment: a row and a column statistic per matrix
+    params = {"w": jnp.zeros((4096, 8))}
+    with pytest.raises(
+        ValueError, match=r"optimizer=.*opt_state\[0\].v_col\[.w.\] is float32\[4096\]"
+    ):
+        quantized_state(optax.adafactor(1e-3, min_dim_size_to_factor=8), block=1024).init(params)
+    # a leaf of one parameter's size that follows no parameter
+    odd = optax.GradientTransformation(
+        lambda p: {"x": jnp.zeros(5000)}, lambda u, s, p=None: (u, s)
+    )
+    with pytest.raises(ValueError, match=r"opt_state\['x'\] is float32\[5000\], not laid out"):
+        quantized_state(odd, block=2048).init(params)
+    for chunk in (0, -8):
+        with pytest.raises(ValueError, match=rf"chunk={chunk!r}\); expected a positive int"):
+            quantized_state(optax.adam(1e-3), chunk=chunk)
