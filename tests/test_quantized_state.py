@@ -1,6 +1,11 @@
 """8-bit optimizer state (`quantized_state`): code resolution, updates against float32
 Adam, compiled memory, composition with make_step, half_state and checkpoints, bad input."""
 
+import json
+import os
+import subprocess
+import sys
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -179,3 +184,58 @@ def test_state_not_laid_out_like_the_parameters_is_refused_naming_the_leaf():
     for chunk in (0, -8):
         with pytest.raises(ValueError, match=rf"chunk={chunk!r}\); expected a positive int"):
             quantized_state(optax.adam(1e-3), chunk=chunk)
+
+
+FSDP = r"""
+import json, sys
+import jax, jax.numpy as jnp, jax.random as jr, numpy as np, optax, equinox as eqx
+import eqx_lowmem as el
+
+jax.config.update("jax_numpy_dtype_promotion", "standard")  # optax's bias correction
+mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+opt = el.precision.quantized_state(optax.adam(1e-2), block=64)
+def lm():
+    return el.nn.CausalLM(vocab_size=32, max_seq=16, n_layers=2, d_model=32, n_heads=4,
+                          d_ff=64, key=jr.PRNGKey(0), remat=True)
+def train(step):
+    state = step.init(lm(), key=jr.PRNGKey(2))
+    for i in range(4):
+        state, info = step(state, (jr.randint(jr.PRNGKey(i), (16, 17), 0, 32),))
+    return state, float(info["loss"])
+one, loss_one = train(el.train.make_step(el.train.next_token_loss, opt))
+four, loss_four = train(el.train.make_step(el.train.next_token_loss, opt, mesh=mesh, shard="fsdp"))
+leaves = lambda s: [np.asarray(x, np.float32) for x in jax.tree.leaves(eqx.filter(s, eqx.is_array))]
+adam = optax.adam(1e-2)
+one32, _ = train(el.train.make_step(el.train.next_token_loss, adam))
+four32, _ = train(el.train.make_step(el.train.next_token_loss, adam, mesh=mesh, shard="fsdp"))
+codes = [x for x in jax.tree.leaves(four.opt_state) if x.dtype == jnp.uint8]
+print(json.dumps({
+    "diff": max(float(np.max(np.abs(a - b)))
+                for a, b in zip(leaves(one.model), leaves(four.model))),
+    "diff32": max(float(np.max(np.abs(a - b)))
+                  for a, b in zip(leaves(one32.model), leaves(four32.model))),
+    "codes_differ": sum(int(np.sum(np.asarray(a) != np.asarray(b))) for a, b in zip(
+        [x for x in jax.tree.leaves(one.opt_state) if x.dtype == jnp.uint8], codes)),
+    "codes": sum(x.size for x in codes),
+    "sharded": sum(len(x.sharding.device_set) > 1 and not x.sharding.is_fully_replicated
+                   for x in codes),
+    "loss": [loss_one, loss_four]}))
+"""
+
+
+@pytest.mark.slow  # four small LM steps compiled in a subprocess on 4 host devices
+def test_fsdp_on_four_devices_equals_one_device_with_8bit_state():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    out = subprocess.run(
+        [sys.executable, "-c", FSDP], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    # Adam turns the devices' other summation order of tiny gradients into steps of lr
+    # (float32 Adam's own parameters differ as much): no further than float32 Adam's
+    assert r["diff"] <= r["diff32"], r
+    assert abs(r["loss"][0] - r["loss"][1]) < 1e-4 * abs(r["loss"][0]), r
+    # a code may round the other way where a moment sits on a rounding boundary
+    assert r["codes_differ"] <= 1e-3 * r["codes"], r
+    assert r["sharded"] > 0, r  # the 8-bit state is split over the devices, not replicated
