@@ -1,6 +1,7 @@
 """8-bit optimizer state (`quantized_state`): code resolution, updates against float32
 Adam, compiled memory, composition with make_step, half_state and checkpoints, bad input."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -124,7 +125,9 @@ def test_not_elementwise_optimizers_run_whole_and_match(getkey):
     assert eqx.tree_equal(u32, u8, rtol=1e-5, atol=0.0)
 
 
-def test_trains_under_make_step_with_accumulation_loss_scaling_and_resumes(tmp_path, getkey):
+def test_trains_under_make_step_with_accumulation_loss_scaling_and_resumes_from_both_formats(
+    tmp_path, getkey
+):
     model = el.nn.mlp([16, 160, 4], key=getkey())
     x, y = jr.normal(getkey(), (32, 16)), jr.normal(getkey(), (32, 4))
     opt = quantized_state(optax.adam(1e-2), block=256)
@@ -141,6 +144,15 @@ def test_trains_under_make_step_with_accumulation_loss_scaling_and_resumes(tmp_p
         half, _ = step(half, (x, y))
     el.train.save_checkpoint(tmp_path / "ckpt", half, {"step": 3})
     resumed, _ = el.train.load_checkpoint(tmp_path / "ckpt", step.init(model, key=key))
+    for _ in range(3):
+        resumed, _ = step(resumed, (x, y))
+    assert eqx.tree_equal(resumed, straight)
+    if importlib.util.find_spec("orbax") is None:  # the .[orbax] extra
+        return
+    with el.train.OrbaxCheckpoints(tmp_path / "orbax") as checkpoints:
+        checkpoints.save(3, half, {"step": 3})
+        checkpoints.wait()
+        resumed, _ = checkpoints.restore(step.init(model, key=key))
     for _ in range(3):
         resumed, _ = step(resumed, (x, y))
     assert eqx.tree_equal(resumed, straight)
