@@ -74,15 +74,18 @@ def _encode(r: Array, signed: bool) -> Array:
 
 
 def _decode(codes: Array, scale: Array, signed: bool) -> Array:
-    """Blocks `(blocks, block)` of codes to float32: one lookup in the 256-value table."""
+    """Codes `(blocks * block,)` to float32 blocks `(blocks, block)`: one lookup in the
+    256-value table."""
     table = jnp.asarray(dynamic_code(signed))
-    return table[codes.astype(jnp.int32)] * scale[:, None]
+    return table[codes.astype(jnp.int32)].reshape(scale.shape[0], -1) * scale[:, None]
 
 
 class QuantizedArray(Packed):
     """One optimizer-state leaf stored as 8-bit codes and one float32 absmax per block.
 
-    `codes` `(blocks, block)` uint8 index the sorted dynamic code; `scale` `(blocks,)`.
+    `codes` `(blocks * block,)` uint8 index the sorted dynamic code; `scale` `(blocks,)`.
+    Flat, so that FSDP, which splits an array along its one axis, keeps whole blocks on
+    each device whenever the device count divides the number of blocks.
     """
 
     codes: Array
@@ -99,17 +102,18 @@ class QuantizedArray(Packed):
 
     def like(self, x: Array) -> "QuantizedArray":
         """`x`, shaped like this leaf, quantised with this leaf's code and block."""
-        return quantize(x, self.codes.shape[1], signed=self.signed, dtype=self.dtype)
+        block = self.codes.shape[0] // self.scale.shape[0]
+        return quantize(x, block, signed=self.signed, dtype=self.dtype)
 
 
 def _blocks(x: Array, block: int, signed: bool) -> tuple[Array, Array]:
     """`x` in blocks of `block` elements along its flattened form (the last block padded
-    with zeros): codes `(blocks, block)` uint8 and absmax `(blocks,)` float32."""
+    with zeros): codes `(blocks * block,)` uint8 and absmax `(blocks,)` float32."""
     flat = jnp.ravel(x).astype(jnp.float32)
     flat = jnp.pad(flat, (0, -x.size % block)).reshape(-1, block)
     scale = jnp.max(jnp.abs(flat), axis=1)
     inverse = jnp.where(scale > 0, 1 / jnp.where(scale > 0, scale, 1.0), 0.0)
-    return _encode(flat * inverse[:, None], signed), scale
+    return _encode(flat * inverse[:, None], signed).reshape(-1), scale
 
 
 def quantize(x: Array, block: int, *, signed: bool, dtype: Any = None) -> QuantizedArray:
@@ -274,7 +278,7 @@ def _update_leaf(optimizer: Any, plan: _Plan, i: int, block: int, chunk: int) ->
             if j in qs:
                 codes, scale = states[j]
                 x = _decode(
-                    jax.lax.dynamic_slice_in_dim(codes, b0, nb),
+                    jax.lax.dynamic_slice_in_dim(codes, b0 * block, nb * block),
                     jax.lax.dynamic_slice_in_dim(scale, b0, nb),
                     qs[j].signed,
                 )
@@ -288,7 +292,7 @@ def _update_leaf(optimizer: Any, plan: _Plan, i: int, block: int, chunk: int) ->
             if j in qs:
                 codes, scale = _blocks(new_s[j], block, qs[j].signed)
                 states[j] = (
-                    jax.lax.dynamic_update_slice_in_dim(states[j][0], codes, b0, 0),
+                    jax.lax.dynamic_update_slice_in_dim(states[j][0], codes, b0 * block, 0),
                     jax.lax.dynamic_update_slice_in_dim(states[j][1], scale, b0, 0),
                 )
             else:
