@@ -86,9 +86,9 @@ def peaks(target=None) -> dict:
     out = {}
     for name, make in VARIANTS.items():
         r = el.memory.memory_report(m, loss_fn, make(), batch, target=target).to_dict()
-        out[name] = {"peak_bytes": r["peak_bytes"], "optimizer_state_bytes":
-                     r["parts"].get("optimizer state", r["parts"].get("optimizer_state")),
-                     "device": r["device"]}  # fmt: skip
+        out[name] = {"peak_bytes": r["peak_bytes"], "optimizer_bytes": r["parts"]["optimizer"],
+                     "argument_bytes": r["compiled"]["argument"],
+                     "temp_bytes": r["compiled"]["temp"], "device": r["device"]}  # fmt: skip
     return out
 
 

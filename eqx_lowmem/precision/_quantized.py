@@ -270,7 +270,8 @@ def _update_leaf(optimizer: Any, plan: _Plan, i: int, block: int, chunk: int) ->
         upd, states = out
         b0, nb = start * row // block, -(-n * row // block)
         u, s = list(plan.u), list(plan.s)
-        u[i] = jax.lax.dynamic_slice_in_dim(g, start, n)
+        # the gradient's rows from the buffer the update overwrites (same dtype), else `g`
+        u[i] = jax.lax.dynamic_slice_in_dim(upd if in_place else g, start, n)
         p = None if plan.p is None else list(plan.p)
         if p is not None:
             p[i] = jax.lax.dynamic_slice_in_dim(p[i], start, n)
@@ -305,7 +306,10 @@ def _update_leaf(optimizer: Any, plan: _Plan, i: int, block: int, chunk: int) ->
     )
     out_dtype = jax.eval_shape(fn, *args).dtype
     states = {j: (qs[j].codes, qs[j].scale) if j in qs else plan.s[j] for j in entries}
-    out = (jnp.zeros(g.shape, out_dtype), states)
+    # The update takes the gradient's place, chunk by chunk: no second float32 array of
+    # the parameter's size (XLA copies the gradient first only if something reads it after).
+    in_place = out_dtype == g.dtype
+    out = (g if in_place else jnp.zeros(g.shape, out_dtype), states)
     r = _rows(g.shape, block, chunk)
     m = d0 // r if r < d0 else 0
     if m:
