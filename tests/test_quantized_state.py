@@ -256,3 +256,42 @@ def test_fsdp_on_four_devices_equals_one_device_with_8bit_state():
     # a code may round the other way where a moment sits on a rounding boundary
     assert r["codes_differ"] <= 1e-3 * r["codes"], r
     assert r["whole_blocks"] and all(r["whole_blocks"]), r  # split, blocks within a shard
+
+
+_NDIM_MASK = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
+
+
+@pytest.mark.parametrize(
+    ("name", "make", "chunked"),
+    [
+        ("adam", lambda: optax.adam(1e-3), True),
+        ("adamw, mask by rank", lambda: optax.adamw(1e-3, mask=_NDIM_MASK), True),
+        ("lion", lambda: optax.lion(1e-3), True),
+        ("sgd momentum", lambda: optax.sgd(1e-2, momentum=0.9), True),
+        (
+            "clip inside",
+            lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+            False,
+        ),
+        ("lamb", lambda: optax.lamb(1e-3), False),
+    ],
+)
+def test_which_optimizers_update_chunk_by_chunk_and_their_updates(name, make, chunked, getkey):
+    """Element-wise optimizers run chunk by chunk, the others whole; both give the
+    optimizer's own updates (zero state decodes exactly)."""
+    from eqx_lowmem._layout import owners
+    from eqx_lowmem.precision._quantized import _is_q, _piecewise, _Plan
+
+    params = {"w": jr.normal(getkey(), (64, 128)), "b": jr.normal(getkey(), (128,))}
+    grads = jax.tree.map(lambda p: jr.normal(getkey(), p.shape), params)
+    opt, q = make(), quantized_state(make(), block=256, chunk=1024)
+    state = q.init(params)
+    leaves, s_def, who = owners(state.inner, params)
+    u, u_def = jax.tree.flatten(grads)
+    plan = _Plan(u, jax.tree.leaves(params), [x for _, x in leaves], who, u_def, s_def)
+    large = {w for w, x in zip(who, plan.s, strict=True) if _is_q(x)}
+    with jax.numpy_dtype_promotion("standard"):
+        assert large and _piecewise(opt, plan, large) == chunked, name
+        u32, _ = jax.jit(opt.update)(grads, opt.init(params), params)
+        u8, _ = jax.jit(q.update)(grads, state, params)
+    assert eqx.tree_equal(u32, u8, rtol=1e-6, atol=1e-12), name
