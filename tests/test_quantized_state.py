@@ -171,6 +171,26 @@ def test_half_state_outside_keeps_codes_and_scales(getkey):
         quantized_state(el.precision.half_state(optax.adam(1e-3))).init(params)
 
 
+@pytest.mark.slow  # a half_bf16 step compiled (about 20 s on two shared cores)
+def test_make_step_half_policy_wraps_it_in_half_state(getkey):
+    # 16-bit parameters and small state leaves, 8-bit codes for the large ones
+    model = el.nn.mlp([16, 160, 4], key=getkey())
+    x, y = jr.normal(getkey(), (8, 16)), jr.normal(getkey(), (8, 4))
+    step = el.train.make_step(
+        el.train.mse, quantized_state(optax.adam(1e-2), block=256), precision="half_bf16"
+    )
+    state = step.init(model, key=getkey())
+    losses = []
+    for _ in range(4):
+        state, info = step(state, (x, y))
+        losses.append(float(info["loss"]))
+    assert losses[-1] < losses[0]
+    is_q = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    leaves = jax.tree.leaves(state.opt_state.inner.inner[0].mu, is_leaf=is_q)
+    assert {x.dtype for x in leaves if not is_q(x)} == {jnp.dtype(jnp.bfloat16)}
+    assert sum(map(is_q, leaves)) == 2  # the two weights (2560 and 640); biases are small
+
+
 def test_bad_arguments():
     for bits in (4, 16, True):
         with pytest.raises(ValueError, match=rf"bits={bits!r}\); expected 8"):
