@@ -34,9 +34,10 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-from _common import RESULTS, interleaved, median_ratio, write_json  # noqa: E402
+from _common import RESULTS, environment, interleaved, median_ratio, write_json  # noqa: E402
 
 import eqx_lowmem as el  # noqa: E402
+from eqx_lowmem import _io  # noqa: E402
 
 VOCAB, LR = 128, 3e-3
 SMALL = {"layers": 2, "d_model": 128, "heads": 4, "d_ff": 512, "seq": 64, "batch": 16}
@@ -137,12 +138,8 @@ def timing(data: np.ndarray, rounds: int = 15) -> dict:
 def gpu_rows() -> list[dict]:
     """On a GPU: the guide LM's measured step time per variant (interleaved) and compiled
     peaks, as rows for the lead's GPU script."""
-    global SMALL
-    small, SMALL = SMALL, {**GUIDE}
-    try:
-        t = timing(np.random.default_rng(0).integers(0, VOCAB, (64, GUIDE["seq"] + 1)), 10)
-    finally:
-        SMALL = small
+    SMALL.update(GUIDE)  # this process times the guide's LM only
+    t = timing(np.random.default_rng(0).integers(0, VOCAB, (64, GUIDE["seq"] + 1)), 10)
     p = peaks()
     return [{"variant": n, **t[n], **p[n], "device": jax.devices()[0].device_kind} for n in t]
 
@@ -159,9 +156,13 @@ def main() -> None:
     path = RESULTS / "optimizer_state.json"
     if args.target:  # only the compile-only peaks, added to the CPU run's record
         record = json.loads(path.read_text())
-        record.pop("environment")
+        cpu_run = record.pop("environment")
         record["peaks_" + args.target] = peaks(el.memory.Target(args.target))
-        write_json("optimizer_state", record)
+        record["environment_" + args.target] = environment()
+        write_json("optimizer_state", record)  # its environment: the CPU run's, kept
+        record = json.loads(path.read_text())
+        record["environment"] = cpu_run
+        _io.write_json(path, record)
         print(json.dumps(record["peaks_" + args.target], indent=1))
         return
     data = windows(SMALL["seq"])
