@@ -27,9 +27,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
-import optax
 from jaxtyping import Array
 
+from .._layout import is_entry, is_masked, laid_out_like
 from ..precision._quantized import QuantizedArray
 from ._layers import is_sparse
 from ._storage import bits_of, is_bitset, positions_of
@@ -210,14 +210,7 @@ def _prune(indices, prune, size: int):
     return jnp.where(prune, jnp.asarray(size, indices.dtype), indices)
 
 
-def _is_masked(x: Any) -> bool:
-    return isinstance(x, optax.MaskedNode)
-
-
-def _is_entry(x: Any) -> bool:
-    """One parameter's entry of per-parameter state that is not an array: a `MaskedNode`,
-    or a `QuantizedArray` (`eqx_lowmem.precision.quantized_state`), shaped as its `shape`."""
-    return _is_masked(x) or isinstance(x, QuantizedArray)
+_is_masked, _is_entry, _laid_out_like = is_masked, is_entry, laid_out_like  # `.._layout`'s rule
 
 
 def _dense(x: Any) -> Any:
@@ -226,25 +219,6 @@ def _dense(x: Any) -> Any:
 
 def _pack(like: Any, x: Array) -> Any:
     return like.like(x) if isinstance(like, QuantizedArray) else x
-
-
-def _laid_out_like(node: Any, params: Any) -> bool:
-    """Whether `node` is laid out like `params`: the same tree with an array at each of
-    their leaves, where an `optax.MaskedNode` may stand for any part (`optax.masked`)."""
-    if eqx.is_array(node) or _is_masked(node):
-        return False
-    ok = True
-
-    def visit(entry: Any, part: Any) -> None:
-        nonlocal ok
-        if not _is_masked(entry) and not jax.tree_util.treedef_is_leaf(jax.tree.structure(part)):
-            ok = False  # one entry for a whole subtree of parameters
-
-    try:
-        jax.tree.map(visit, node, params, is_leaf=_is_entry)
-    except (ValueError, TypeError):
-        return False
-    return ok
 
 
 _FIX = (
