@@ -120,7 +120,9 @@ def loss_grad(
     for; it multiplies by `count` afterwards (in float32) to return the gradient of the sum.
     """
 
-    def fn(params, model_state, batch, weights, key, scale, fuse=None) -> Sums | MeanSums:
+    def fn(
+        params, model_state, batch, weights, key, scale, fuse=None, in_units=False
+    ) -> Sums | MeanSums:
         seen: dict[str, Any] = {}
 
         def fold(a, g):
@@ -155,6 +157,12 @@ def loss_grad(
             fused = frozenset(seen["fusion"].fused)
             fuse.fused = fused
         total, weight, new_state, count = aux
+        if in_units and fuse is None and not _is_16(dtype):
+            # The gradient as the backward pass leaves it, in units of the count: a product
+            # with the count here would be stored whole wherever a loop reads it (the
+            # chunked norm), a float32 copy of the gradient.
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            return Sums(grads, total, weight, new_state, jnp.float32(count))
         leaves, treedef = jax.tree.flatten(grads)
         accs = [None] * len(leaves) if acc_ct is None else jax.tree.leaves(acc_ct)
         out = []

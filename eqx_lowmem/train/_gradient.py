@@ -1,11 +1,13 @@
 """The summed gradient of one batch: its micro-batches accumulated on each device, then
 combined over the devices of the mesh (all-reduced, or reduce-scattered under FSDP)."""
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.random as jr
 from jax.sharding import PartitionSpec as P
 
@@ -19,6 +21,10 @@ def grad_function(c: Any, static: Any, prepare: Callable[[Any], Any] | None = No
     (`c`: a `Step`'s config)."""
     dtype = c.accumulate_dtype
     grad_fn = loss_grad(c.loss_fn, static, c.policy, prepare=prepare, dtype=dtype)
+    if c.accumulate == 1 and jnp.dtype(dtype).itemsize == 4:
+        # One micro-batch: its gradient in units of the count (`Sums.unit`), which the mean
+        # divides out, so no scaled float32 copy of it is stored for the norm's loop.
+        return functools.partial(grad_fn, in_units=True)
     return accumulate(grad_fn, c.accumulate, dtype=dtype, fuse=c.fuse_accumulation)
 
 

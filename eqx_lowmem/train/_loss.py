@@ -52,12 +52,26 @@ def accepts_key(fn: Callable[..., Any]) -> bool:
 
 
 def cast_outside_stacks(model: Any, dtype: Any) -> Any:
-    """Cast the floating leaves of `model` to `dtype`, except those of scanned stacks
-    (`eqx_lowmem.nn.Stack`), which cast one layer at a time inside their scan (so only one
-    block's 16-bit copy is alive, not a copy of every parameter for the whole step)."""
+    """Cast the floating leaves of `model` to `dtype`, except those of stacks whose blocks
+    are recomputed (`eqx_lowmem.nn.Stack` with `remat` or `segment`), which cast one layer
+    at a time inside their scan (so only one block's 16-bit copy is alive, not a copy of
+    every parameter for the whole step).
+
+    A stack that recomputes nothing is cast whole here, as a hand-written loop casts: its
+    backward pass keeps every layer's 16-bit weights anyway, and cast inside the scan they
+    would be stored once more, stacked as the scan's residuals (one more 16-bit copy of
+    the stack's parameters)."""
     return jax.tree.map(
-        lambda x: x if is_stack(x) else cast_floating(x, dtype), model, is_leaf=is_stack
+        lambda x: x if _recomputed(x) else cast_floating(x, dtype), model, is_leaf=is_stack
     )
+
+
+def _recomputed(x: Any) -> bool:
+    """Whether `x` is a stack that may recompute its blocks (or segments) in the backward
+    pass: any stack but one that says it does not (`remat="none"`, no `segment`)."""
+    if not is_stack(x):
+        return False
+    return getattr(x, "remat", None) != "none" or getattr(x, "segment", None) is not None
 
 
 def call_loss(

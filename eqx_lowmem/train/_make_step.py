@@ -65,9 +65,12 @@ def make_step(
         accumulate: number of micro-batches per batch.
         precision: a preset name (`"float32"`, `"mixed_bf16"`,
             `"mixed_fp16"`, `"half_bf16"`, `"half_fp16"`) or a `Policy`. With a 16-bit
-            compute dtype, the parameters of scanned stacks (`eqx_lowmem.nn.Stack`,
-            `transformer_encoder`) are cast one block at a time inside the scan, so only one
-            block's 16-bit copy is alive; other parameters are cast once per micro-batch.
+            compute dtype, the parameters of scanned stacks that recompute their blocks
+            (`eqx_lowmem.nn.Stack`, `transformer_encoder` with `remat` or `segment`) are
+            cast one block at a time inside the scan, so only one block's 16-bit copy is
+            alive; other parameters (and stacks that recompute nothing, whose backward
+            pass keeps every block's 16-bit weights anyway) are cast once per micro-batch,
+            as a hand-written loop casts: one 16-bit copy, no more.
         loss_scale: `"auto"` (a dynamic loss scale when the policy uses float16), None, or a
             `DynamicLossScale`. A non-finite gradient skips the update (parameters,
             optimizer state, model state and the update counter unchanged) and halves it.
