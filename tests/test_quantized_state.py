@@ -241,7 +241,7 @@ adam = optax.adam(1e-2)
 one32, _ = train(el.train.make_step(el.train.next_token_loss, adam))
 four32, _ = train(el.train.make_step(el.train.next_token_loss, adam, mesh=mesh, shard="fsdp"))
 codes = [x for x in jax.tree.leaves(four.opt_state) if x.dtype == jnp.uint8]
-is_q = lambda x: isinstance(x, el.precision.QuantizedArray)
+is_q = lambda x: isinstance(x, el.precision._quantized.QuantizedArray)
 print(json.dumps({
     "diff": max(float(np.max(np.abs(a - b)))
                 for a, b in zip(leaves(one.model), leaves(four.model))),
