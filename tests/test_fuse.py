@@ -263,3 +263,21 @@ def test_a_stateful_stack_called_per_example_is_not_fused_and_the_step_says_why(
                 state, _ = step(state, (x, x))
         out[batched] = state
     _assert_same(out[True].model, out[False].model)
+
+
+def test_a_stack_inside_a_function_compiled_before_the_step_is_named_not_silently_unfused():
+    """A jitted function traced before the step, called with the same shapes inside the
+    loss, reuses its earlier trace: the stack never sees the step's accumulator, and the
+    step says so (the warning used to be lost with the fusion)."""
+    blocks = el.nn.stack(lambda k: Residual(key=k), 3, key=jr.PRNGKey(0), remat=True)
+    x = jr.normal(jr.PRNGKey(1), (8, 16))
+    forward = eqx.filter_jit(lambda model, x: jax.vmap(model)(x))
+    forward(blocks, x[:2])  # traced now, outside any step, at the micro-batch's shape
+
+    def loss(model, x, y):
+        return (forward(model, x) - y) ** 2
+
+    with pytest.warns(el.nn.FusionWarning, match=r"its call was not traced under the step"):
+        fused, _ = _train(blocks, loss, (x, x), fuse=True, accumulate=4)
+    plain, _ = _train(blocks, loss, (x, x), fuse=False, accumulate=4)
+    _assert_same(fused.model, plain.model)

@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 from jaxtyping import Array, PyTree
 
@@ -72,11 +73,14 @@ class Fusion:
         self._acc = a_leaves
         self.fold = fold
         self.fused: set[int] = set()
+        self.declined: set[int] = set()
+        self.reached = 0  # the stacks' calls that asked for the accumulator
 
     def claim(self, leaves: Sequence[Array]) -> list[int] | None:
         """The accumulator positions of `leaves` (a stack's floating arrays), or None when
         any of them is not a differentiated parameter (said with a `FusionWarning`), or was
         taken already (a stack called twice: its first call is fused)."""
+        self.reached += 1
         slots = [self._slot.get(id(x)) for x in leaves]
         if not slots or any(n is not None and n in self.fused for n in slots):
             return None
@@ -96,7 +100,9 @@ class Fusion:
     def decline(self, leaves: Sequence[Array], reason: str) -> None:
         """Say, with a `FusionWarning`, that the stack holding `leaves` (its floating
         arrays) is set up for fusion but not fused, and `reason`."""
-        names = [self._paths[n] for n in (self._slot.get(id(x)) for x in leaves) if n is not None]
+        slots = [n for n in (self._slot.get(id(x)) for x in leaves) if n is not None]
+        self.declined.update(slots)
+        names = [self._paths[n] for n in slots]
         if names:
             where = f"the stack holding {names[0]}"
             where += f" and {len(names) - 1} more arrays" if len(names) > 1 else ""
@@ -110,6 +116,33 @@ class Fusion:
             FusionWarning,
             stacklevel=2,
         )
+
+    def check_reached(self, model: PyTree) -> None:
+        """After the loss is traced: a `FusionWarning` for each stack of `model` set up for
+        fusion, holding differentiated parameters, that neither took the accumulator nor
+        said why. Its call was not traced under this step: a function compiled
+        (`jax.jit`, `eqx.filter_jit`) before the step and called with the same shapes
+        reuses its earlier trace, which JAX's cache does not tie to the accumulator."""
+        stacks = [
+            x
+            for x in jax.tree.leaves(
+                model, is_leaf=lambda x: isinstance(x, eqx.Module) and fusion_candidate(x)
+            )
+            if isinstance(x, eqx.Module) and fusion_candidate(x)
+        ]
+        if self.reached >= len(stacks):
+            return  # every stack was called under the step (and said so if not fused)
+        for stack in stacks:
+            leaves = jax.tree.leaves(eqx.filter(stack, eqx.is_inexact_array))
+            slots = [self._slot.get(id(x)) for x in leaves]
+            if not slots or any(n is None or n in self.fused | self.declined for n in slots):
+                continue
+            self.decline(
+                leaves,
+                "its call was not traced under the step (a function compiled with jax.jit "
+                "or eqx.filter_jit before the step reuses its earlier trace), or the loss "
+                "does not call it; call such a function's body directly in the loss",
+            )
 
     def accumulators(self, slots: Sequence[int]) -> list[Array]:
         return [self._acc[n] for n in slots]

@@ -143,6 +143,8 @@ def loss_grad(
                     loss_fn, model, batch, weights, model_state=model_state, key=key,
                     policy=policy,
                 )  # fmt: skip
+            if fusion is not None:
+                fusion.check_reached(eqx.combine(params, static))
             total = jnp.sum(out.values * out.weights)
             count = seen["count"] = out.values.size
             return total * (scale / count), (total, jnp.sum(out.weights), out.model_state, count)
