@@ -70,23 +70,20 @@ def acc(*runs: dict) -> Decimal:
 # ----------------------------------------------------------------------- the examples
 
 
+def _run_time(run: str) -> str:
+    r = result("examples")[run]
+    return (f"measured on {date('examples')} (`benchmarks/examples.py`): {r['cpu_s']:,.0f} s of "
+            f"CPU time, {r['wall_s']:,.0f} s of wall time on 2 CPU cores shared with other work "
+            f"(load average {r['load_before'][0]:.1f} at the start)")  # fmt: skip
+
+
 def main_job_setup() -> str:
-    m = result("examples")["main_job"]
-    return para(
-        f"It trains {m['updates']} updates; measured on {date('examples')} "
-        f"(`benchmarks/examples.py`): {m['cpu_s']:,.0f} s of CPU time, {m['wall_s']:,.0f} s of "
-        f"wall time on 2 CPU cores shared with other work (load average "
-        f"{m['load_before'][0]:.1f} at the start)."
-    )
+    updates = result("examples")["main_job"]["updates"]
+    return para(f"It trains {updates} updates; {_run_time('main_job')}.")
 
 
 def short_example_time() -> str:
-    s = result("examples")["short_example"]
-    return para(
-        f"Measured on {date('examples')} (`benchmarks/examples.py`): {s['cpu_s']:,.0f} s of CPU "
-        f"time, {s['wall_s']:,.0f} s of wall time on 2 CPU cores shared with other work (load "
-        f"average {s['load_before'][0]:.1f} at the start), mostly compiling."
-    )
+    return para(f"M{_run_time('short_example')[1:]}, mostly compiling.")
 
 
 def main_job() -> str:
