@@ -296,9 +296,9 @@ def rows(smoke: bool) -> dict:
     out |= {f"accumulate/k{k}": (accumulate_row, acc, k) for k in (1, 2, 4, 8)}
     out["shard/"] = (shard_rows, SMOKE["guide"] if smoke else SHARD)
     out |= {f"paper/{n}": (paper_row, n, smoke) for n in (*PAPER_WRN, *PAPER_LM)}
-    from quality import CONFIGS
+    from quality import ALL_CONFIGS
 
-    return out | {f"frontier/{n}": (frontier_row, n, smoke) for n in CONFIGS}
+    return out | {f"frontier/{n}": (frontier_row, n, smoke) for n in ALL_CONFIGS}
 
 
 def worker(spec: dict) -> dict:
@@ -317,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return 0
     path = args.out / "memory_grid.json"
-    kept = json.loads(path.read_text())["rows"] if path.exists() else {}
-    found = {}
+    old = json.loads(path.read_text()) if path.exists() else {"rows": {}}
+    kept, found = old["rows"], {}
     for name, (fn, *fargs) in rows(args.smoke).items():
         if not any(name.startswith(p) for p in args.only):
             continue
@@ -328,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             found[name] = fn(*fargs)
         # Written after every row: a long run keeps what it compiled.
-        path = write_json("memory_grid", {"rows": {**kept, **found}}, directory=args.out)
+        # `copied`: rows taken from an earlier script's JSON, not yet compiled by this one.
+        copied = [n for n in old.get("copied", []) if n not in found]
+        record = {"rows": {**kept, **found}, **({"copied": copied} if copied else {})}
+        path = write_json("memory_grid", record, directory=args.out)
         print(f"{name}: wrote {path}", flush=True)
     return 0
 

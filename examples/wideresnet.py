@@ -46,7 +46,7 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=10, help="micro-batches per batch")
     p.add_argument("--density", type=float, default=0.3)
     p.add_argument("--precision", default="mixed_fp16", choices=sorted(el.precision.PRESETS))
-    # The rate benchmarks/paper_quality.py --select-lr chose on held-out training images.
+    # The rate benchmarks/quality.py --select-lr chose on held-out training images.
     p.add_argument("--lr", type=float, default=0.2, help="peak learning rate (cosine decay)")
     args = p.parse_args()
     if not args.lr > 0:
