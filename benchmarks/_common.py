@@ -274,3 +274,55 @@ def save_figure(fig: Any, path: str | Path) -> Path:
         return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
     finally:
         pyplot().close(fig)
+
+
+# ------------------------------------------------------------------- the guide's model
+
+# The guide's transformer: the size of every guide/remat/precision figure.
+GUIDE = {"n_layers": 12, "d_model": 512, "n_heads": 8, "d_ff": 2048, "seq": 256, "batch": 32}
+
+
+def encoder(cfg: dict, key, remat="none", **options):
+    """`eqx_lowmem.nn.transformer_encoder` at `cfg`'s size (options: segment, scan, ...)."""
+    import eqx_lowmem as el
+
+    dims = (cfg[k] for k in ("n_layers", "d_model", "n_heads", "d_ff"))
+    return el.nn.transformer_encoder(*dims, key=key, remat=remat, **options)
+
+
+def plain_step(cfg: dict, checkpoint: bool, *, lr: float = 0.01):
+    """Plain Equinox, the framework compared against: the encoder's blocks (no remat, no
+    chunking) in a `lax.scan` written here, its body in `eqx.filter_checkpoint` or not, and
+    the least jitted SGD step, model and optimizer state donated as `make_step` donates.
+    Returns the model, the optimizer state and the jitted `step(batch, model, opt_state)`."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import jax.random as jr
+    import optax
+
+    class Encoder(eqx.Module):
+        blocks: eqx.Module  # stacked TransformerBlocks
+
+        def __call__(self, x):
+            params, static = eqx.partition(self.blocks, eqx.is_array)
+
+            def body(h, p):
+                return eqx.combine(p, static)(h), None
+
+            body = eqx.filter_checkpoint(body) if checkpoint else body
+            return jax.lax.scan(body, x, params)[0]
+
+    optimizer = optax.sgd(lr)
+
+    def step(batch, model, opt_state):
+        x, y = batch
+        loss_fn = lambda m: jnp.mean(jnp.square(jax.vmap(m)(x) - y))  # noqa: E731
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+        updates, opt_state = optimizer.update(grads, opt_state)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return eqx.apply_updates(model, updates), opt_state, metrics
+
+    model = Encoder(encoder(cfg, jr.split(jr.PRNGKey(0), 3)[0], chunk_size=None).blocks)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    return model, opt_state, eqx.filter_jit(step, donate="all-except-first")

@@ -13,20 +13,29 @@ SIGKILL at random moments of an orbax run (during asynchronous saves too).
    optimizer state, key and history must be bit-identical to a run never killed. A kill
    that left orbax's temporary step directory behind landed during an asynchronous save.
 
-Run: `.venv/bin/python benchmarks/checkpoint.py [--kills 10]`; writes
-`benchmarks/results/checkpoint.json`. Exits 1 if the stall goal (at most 0.2x the
-synchronous save for the 100 MB state) or a resume fails.
+3. Soak (`--soak`, minutes; not part of CI): 10,000 updates of a Trainer over a prefetched,
+   memory-mapped stream with a checkpoint every 500: the resident memory (RSS) at the start
+   of every epoch after the first stays within 5 MiB; no prefetch thread is alive after
+   `fit` returns or raises; the last checkpoint loads and is at the last update.
+
+    python benchmarks/checkpoint.py [--kills 10]   # 1 and 2: results/checkpoint.json
+    python benchmarks/checkpoint.py --soak [--updates 10000]  # 3: results/soak.json
+
+Exits 1 if a goal (the stall at most 0.2x the synchronous save for the 100 MB state, every
+resume bit-identical, the soak's checks) fails.
 """
 
 import argparse
 import json
 import os
 import random
+import resource
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -225,15 +234,154 @@ def sigkill(kills: int, seed: int) -> dict:
     }
 
 
+# ------------------------------------------------------------------------------ soak
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+SAMPLES, FEATURES, MICRO_BATCH = 2000, 16, 20  # 100 updates an epoch
+LIMIT_MIB = 5.0
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def prefetch_threads() -> list[threading.Thread]:
+    return [
+        t for t in threading.enumerate() if t.name == "eqx_lowmem.data.prefetch" and t.is_alive()
+    ]
+
+
+def make_data(directory: Path) -> tuple[Path, Path]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((SAMPLES, FEATURES)).astype(np.float32)
+    w = rng.standard_normal((FEATURES, 1)).astype(np.float32)
+    y = (np.tanh(x @ w) + 0.1 * rng.standard_normal((SAMPLES, 1))).astype(np.float32)
+    paths = directory / "x.npy", directory / "y.npy"
+    for path, array in zip(paths, (x, y), strict=True):
+        np.save(path, array)
+    return paths
+
+
+def soak_trainer(checkpoint_dir: Path, callback=None):
+    import equinox as eqx
+    import jax.random as jr
+    import optax
+
+    import eqx_lowmem as el
+
+    model = eqx.nn.MLP(FEATURES, 1, 32, 2, key=jr.PRNGKey(0))
+    return el.train.Trainer(
+        model,
+        el.train.mse,
+        optax.adam(1e-3),
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=500,
+        progress=False,
+        callback=callback,
+    )
+
+
+def make_stream(paths):
+    import eqx_lowmem as el
+
+    return el.data.DataStream(tuple(str(p) for p in paths), MICRO_BATCH, 256, key=0)
+
+
+def soak(updates: int) -> dict:
+    """The soak run (3.): its figures and checks."""
+    import equinox as eqx
+    import jax.random as jr
+    import numpy as np
+
+    import eqx_lowmem as el
+
+    per_epoch = SAMPLES // MICRO_BATCH
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        paths = make_data(tmp)
+        epoch_rss: dict[int, int] = {}
+
+        def record(trainer, info):
+            epoch_rss.setdefault(info["epoch"], rss_bytes())
+
+        trainer = soak_trainer(tmp / "run", record)
+        start = time.perf_counter()
+        history = trainer.fit(stream=make_stream(paths), updates=updates, key=jr.PRNGKey(1))
+        seconds = time.perf_counter() - start
+        threads_after_return = len(prefetch_threads())
+        losses = history["train_loss"]
+
+        # The last checkpoint: checksums verified, at the last update.
+        like = soak_trainer(tmp / "other").step_fn.init(
+            eqx.nn.MLP(FEATURES, 1, 32, 2, key=jr.PRNGKey(0)), key=jr.PRNGKey(0)
+        )
+        state, meta = el.train.load_checkpoint(trainer.checkpoint_path, like)
+        checkpoint_step = int(state.step)
+
+        # A run that raises midway (the callback fails at update 150).
+        def fail(trainer, info):
+            if info["updates"] >= 150:
+                raise RuntimeError("planted failure")
+
+        raised = soak_trainer(tmp / "raises", fail)
+        try:
+            raised.fit(stream=make_stream(paths), updates=1_000, key=jr.PRNGKey(1))
+            raised_ok = False
+        except RuntimeError as e:
+            raised_ok = "planted failure" in str(e)
+        threads_after_raise = len(prefetch_threads())
+
+    epochs = sorted(epoch_rss)
+    baseline = epoch_rss[epochs[1]] if len(epochs) > 1 else epoch_rss[epochs[0]]
+    later = [epoch_rss[e] for e in epochs[1:]]
+    growth_mib = (max(later) - baseline) / 2**20 if later else 0.0
+    spread_mib = (max(later) - min(later)) / 2**20 if later else 0.0
+    checks = {
+        "rss_flat_within_5_mib_after_epoch_1": spread_mib <= LIMIT_MIB,
+        "no_thread_after_fit_returns": threads_after_return == 0,
+        "no_thread_after_fit_raises": threads_after_raise == 0 and raised_ok,
+        "checkpoint_at_last_update": checkpoint_step == updates,
+        "loss_finite_and_fell": bool(np.isfinite(losses).all()) and losses[-1] < losses[0],
+    }
+    payload = {
+        "what": "soak: updates over a prefetched memmap DataStream with checkpoints every 500",
+        "updates": updates,
+        "updates_per_epoch": per_epoch,
+        "epochs": len(losses),
+        "seconds": round(seconds, 2),
+        "updates_per_second": round(updates / seconds, 1),
+        "rss_mib_epoch_2": round(baseline / 2**20, 2),
+        "rss_mib_growth_after_epoch_1": round(growth_mib, 3),
+        "rss_mib_spread_after_epoch_1": round(spread_mib, 3),
+        "rss_mib_by_epoch": {str(e): round(epoch_rss[e] / 2**20, 2) for e in epochs},
+        "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "train_loss_first_last": [round(losses[0], 5), round(losses[-1], 5)],
+        "threads_after_return": threads_after_return,
+        "threads_after_raise": threads_after_raise,
+        "checkpoint_step": checkpoint_step,
+        "checks": checks,
+    }
+    return payload
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--soak", action="store_true", help="3.: the soak run, minutes")
+    parser.add_argument("--updates", type=int, default=10_000, help="the soak's updates")
     parser.add_argument("--worker", default=None)
     args = parser.parse_args()
     if args.worker is not None:
         worker(json.loads(args.worker))
         return 0
+    if args.soak:
+        payload = soak(args.updates)
+        print(f"wrote {_common.write_json('soak', payload)}: {payload['checks']}")
+        return 0 if all(payload["checks"].values()) else 1
     load_before = os.getloadavg()
     stall = {
         "100mb": measure_stall("100mb", _state(1024, 7)),

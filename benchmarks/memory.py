@@ -1,85 +1,130 @@
-"""The memory report's predicted peak against the device's measured peak.
+"""The memory grid: every compile-only figure, deterministic (nothing runs, nothing is timed).
 
-For each configuration (the guide's transformer in three settings, a causal language
-model and an MLP), a fresh process compiles the training step, predicts its peak
-(`eqx_lowmem.memory.memory_report`), and, on a GPU, runs one step and reads
-`peak_bytes_in_use` (with `XLA_PYTHON_CLIENT_PREALLOCATE=false`). A second process compiles
-the same step for XLA:CPU and records its prediction and its GPU/TPU estimate (for 16-bit
-compute: the float32-compute twin's peak with 16-bit saved activations), the figures a user
-planning on a laptop would see; `cpu_estimate_error` compares that estimate with the GPU.
-The offloaded configuration keeps its saved names in pinned host memory on a GPU: the row
-records the report's host bytes (`memory_analysis().host_*`), 0 on XLA:CPU, which drops the
-placement. On a machine without a GPU only the CPU figures are written.
+Each row compiles a training step on abstract shapes and records `memory_analysis()`
+(argument + output + temp - alias: what XLA allocates) or the memory report's parts:
 
-Every configuration is also compiled for a GPU it may not have (a compile-only target,
-`memory_report(..., target=...)`): an H100 here, the lent GPU's own kind on a GPU, where
-`compile_only_error` compares that figure with the measured peak (the compile-only figure
-is trusted as far as it agrees). Also times the command line on the guide's configuration:
-`eqx-lowmem report` on XLA:CPU (goal: < 30 s) and for an H100 (< 60 s), and
-`eqx-lowmem plan --target a100-40gb` with the default candidates and budget (< 5 minutes).
+- `guide/*`: the guide's transformer (12 blocks, d_model 512, 8 heads, d_ff 2048, seq 256,
+  batch 32, MSE, SGD) under each remat preset, scanned and as a Python loop, segments,
+  accumulation, mixed bf16, and plain Equinox (`lax.scan`, body in `eqx.filter_checkpoint`).
+- `precision/*`: each precision preset on the guide's transformer: what the backward pass
+  keeps (traced) and the bytes of parameters plus Adam's state (abstract shapes).
+- `accumulate/*`: the accumulation benchmark's transformer (2 blocks, d_model 256, batch 32)
+  whole and in k micro-batches.
+- `shard/*`: a 4-block encoder with Adam, replicated against FSDP over 2, 4 and 8 host
+  devices (in a worker process started with 8 of them).
+- `frontier/*`: each configuration of `quality.py --frontier`: its training step at batch
+  100 on XLA:CPU and for an H100.
+- `paper/*`: Sohoni et al. (2019)'s tables, each row a `memory_report` of the real step on
+  XLA:CPU and for an H100 (a compile-only GPU target): WRN-28-2 at batch 100 with momentum
+  SGD, and a 12-block causal LM with Adam (16 sequences of 250 tokens).
 
-    python benchmarks/memory.py            # writes benchmarks/results/memory.json
-    python benchmarks/memory.py --only guide_full_mixed_x4
-    python benchmarks/memory.py --lm-loss  # writes benchmarks/results/lm_loss.json
+`tests/test_memory_grid.py` (slow) compiles rows again and fails when the committed
+`results/memory_grid.json` no longer matches the code: rerun this script then.
 
-`--lm-loss` compares the language-model loss's two paths side by side in one process:
-`next_token_loss(..., chunk=None)` (whole float32 logits and log-softmax) against the
-chunked default (`chunked_cross_entropy`), on a 2-layer `CausalLM(remat=True)` at a
-vocabulary of 32,000, d_model 512, one micro-batch of 8 x 256 predicted tokens: the
-loss-and-gradient's compiled temporaries (the whole model's, and the head's alone), the
-largest differences of loss and gradients, and the median ratio of step times
-(interleaved rounds). Goals (issue 36): >= 10x fewer temporaries, <= 1.0x the time.
+    python benchmarks/memory.py                   # every row: writes results/memory_grid.json
+    python benchmarks/memory.py --only guide/ paper/fp16   # rows by prefix, the rest kept
+    python benchmarks/memory.py --smoke --out /tmp # tiny sizes, a check of the script
 """
 
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repo, if not installed
-from _common import MARKER, spawn, write_json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
+from _common import GUIDE, RESULTS, compiled_memory, encoder, plain_step, spawn, write_json  # noqa: E402
 
-GUIDE = {"layers": 12, "d_model": 512, "heads": 8, "d_ff": 2048, "seq": 256, "batch": 32}
-# name: (model, remat, accumulate, precision)
-_TABLE = {
-    "guide_none_fp32": ("guide", False, 1, "float32"),
-    "guide_dots_fp32_x2": ("guide", "dots", 2, "float32"),
-    "guide_full_mixed_x4": ("guide", True, 4, "mixed_bf16"),
-    "guide_offloaded_mixed": ("guide", "minimal_offloaded", 1, "mixed_bf16"),
-    "lm_minimal_mixed": ("lm", "minimal", 1, "mixed_bf16"),
-    "mlp_fp32_x2": ("mlp", False, 2, "float32"),
+ACCUMULATE = {"n_layers": 2, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 128, "batch": 32}
+SHARD = {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 64, "batch": 32}
+WRN = {"depth": 28, "width": 2, "batch": 100, "image": (3, 32, 32), "classes": 10}
+LM = {"vocab": 10_000, "seq": 250, "batch": 16, "n_layers": 12, "d_model": 512, "n_heads": 4,
+      "d_ff": 1024}  # fmt: skip
+SMOKE = {
+    "guide": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_ff": 32, "seq": 8, "batch": 8},
+    "wrn": {"depth": 10, "width": 1, "batch": 10, "image": (3, 8, 8), "classes": 10},
+    "lm": {"vocab": 64, "seq": 16, "batch": 4, "n_layers": 2, "d_model": 32, "n_heads": 2,
+           "d_ff": 64},
+}  # fmt: skip
+GPU_TARGET = "h100"
+MB = 1e6
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+# name: options of the guide's step (remat, segment, scan, accumulate, precision, plain).
+GUIDE_ROWS = {
+    **{f"guide/{p}": {"remat": p} for p in ("none", "full", "dots", "minimal")},
+    "guide/segments": {"segment": "sqrt"},
+    **{f"guide/{p}_loop": {"remat": p, "scan": False} for p in ("none", "full", "dots", "minimal")},
+    "guide/segments_loop": {"segment": "sqrt", "scan": False},
+    "guide/accumulate_4": {"accumulate": 4},
+    "guide/full_accumulate_4": {"remat": "full", "accumulate": 4},
+    "guide/mixed_bf16": {"precision": "mixed_bf16"},
+    "guide/mixed_bf16_full_accumulate_4": {"precision": "mixed_bf16", "remat": "full",
+                                           "accumulate": 4},
+    "guide/plain_eqx": {"plain": False},
+    "guide/plain_eqx_checkpoint": {"plain": True},
+}  # fmt: skip
+PRECISIONS = ("float32", "mixed_bf16", "mixed_fp16", "half_bf16", "half_fp16")
+# The paper's rows: (precision, remat, accumulate, density, accumulate_dtype); WRN batch 100.
+PAPER_WRN = {
+    "baseline_fp32": ("float32", False, 1, None, "float32"),
+    "fp16": ("half_fp16", False, 1, None, "float32"),
+    "checkpoint": ("float32", "checkpoint-residual-1", 1, None, "float32"),
+    "micro10": ("float32", False, 10, None, "float32"),
+    "sparse30": ("float32", False, 1, 0.3, "float32"),
+    "fp16_checkpoint": ("half_fp16", "checkpoint-residual-1", 1, None, "float32"),
+    "fp16_checkpoint_micro10": ("half_fp16", "checkpoint-residual-1", 10, None, "float16"),
+    "fp16_checkpoint_micro10_sparse30": ("half_fp16", "checkpoint-residual-1", 10, 0.3, "float16"),
+    "fp16_checkpoint3_micro10_sparse30": ("half_fp16", "checkpoint-residual-3", 10, 0.3, "float16"),
+    "fp16_checkpoint_micro50_sparse30": ("half_fp16", "checkpoint-residual-1", 50, 0.3, "float16"),
+    "fp16_checkpoint_micro100_sparse30": ("half_fp16", "checkpoint-residual-1", 100, 0.3,
+                                          "float16"),
+}  # fmt: skip
+# (precision, remat, accumulate: "per_sequence" is one sequence per micro-batch, dtype)
+PAPER_LM = {
+    "transformer_baseline_fp32": ("float32", False, 1, "float32"),
+    "transformer_fp16": ("half_fp16", False, 1, "float32"),
+    "transformer_checkpoint": ("float32", True, 1, "float32"),
+    "transformer_micro250": ("float32", False, "per_sequence", "float32"),
+    "transformer_fp16_checkpoint_micro250": ("half_fp16", True, "per_sequence", "float16"),
 }
-CONFIGS = {
-    name: dict(zip(("model", "remat", "accumulate", "precision"), row, strict=True))
-    for name, row in _TABLE.items()
-}
-GOALS = {
-    "gpu_prediction_error": 0.05,
-    "cli_guide_report_seconds_cpu": 30.0,
-    "cli_guide_report_seconds_h100": 60.0,
-    "cli_guide_plan_seconds_a100_40gb": 300.0,
-}
-# The compile-only target of each device kind a GPU may report (`device_kind`).
-_KINDS = {"H100 80GB": "h100", "H100 PCIe": "h100-pcie", "H200": "h200", "A100-SXM4-40GB":
-          "a100-40gb", "A100-SXM4-80GB": "a100-80gb", "L4": "l4", "A10G": "a10g",
-          "RTX 4090": "rtx4090", "V100": "v100"}  # fmt: skip
 
 
-def compile_only_target(device_kind: str | None) -> str | None:
-    """The target that compiles for the GPU this runs on (an H100 on XLA:CPU); None for a
-    GPU without one."""
-    if device_kind is None:
-        return "h100"
-    return next((t for kind, t in _KINDS.items() if kind in device_kind), None)
+def _shapes(cfg: dict, dtype=None) -> tuple:
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"], cfg["d_model"]), dtype or jnp.float32)
+    return x, x
 
 
-def build(config: dict):
-    """(model, loss_fn, optimizer, batch) of a configuration; batch as shapes."""
+def guide_row(cfg: dict, opts: dict) -> dict:
+    """The compiled memory of the guide's step (`make_step`, or plain Equinox's)."""
+    import equinox as eqx
+    import jax.numpy as jnp
+    import jax.random as jr
+    import optax
+
+    import eqx_lowmem as el
+
+    if "plain" in opts:
+        model, opt_state, jitted = plain_step(cfg, opts["plain"])
+        batch = tuple(jnp.zeros(x.shape, x.dtype) for x in _shapes(cfg))  # eqx.filter_jit: arrays
+        compiled = jitted.lower(batch, model, opt_state).compile()
+        return compiled_memory(getattr(compiled, "compiled", compiled))
+    structure = {"segment": opts.get("segment"), "scan": opts.get("scan", True)}
+    model = eqx.filter_eval_shape(encoder, cfg, jr.PRNGKey(0), opts.get("remat", "none"),
+                                  **structure)  # fmt: skip
+    step = el.train.make_step(el.train.mse, optax.sgd(0.01), precision=opts.get("precision"),
+                              accumulate=opts.get("accumulate", 1))  # fmt: skip
+    state = eqx.filter_eval_shape(step.init, model, key=jr.PRNGKey(1))
+    return compiled_memory(step.lower(state, _shapes(cfg)).compile())
+
+
+def precision_row(cfg: dict, preset: str) -> dict:
+    """What the backward pass keeps in `preset` (traced), and parameters + Adam's state."""
+    import equinox as eqx
     import jax
     import jax.numpy as jnp
     import jax.random as jr
@@ -87,269 +132,209 @@ def build(config: dict):
 
     import eqx_lowmem as el
 
-    key = jr.PRNGKey(0)
-    if config["model"] == "guide":
-        g = GUIDE
-        model = el.nn.transformer_encoder(
-            g["layers"], g["d_model"], g["heads"], g["d_ff"], key=key, remat=config["remat"]
-        )
-        x = jax.ShapeDtypeStruct((g["batch"], g["seq"], g["d_model"]), jnp.float32)
-        return model, el.train.mse, optax.adam(1e-3), (x, x)
-    if config["model"] == "lm":
-        model = el.nn.CausalLM(8192, 256, 6, 512, 8, 2048, key=key, remat=config["remat"])
-        tokens = jax.ShapeDtypeStruct((16, 256), jnp.int32)
-        return model, el.train.next_token_loss, optax.adamw(1e-3), (tokens,)
-    model = el.nn.mlp([1024, 4096, 4096, 1024], key=key)
-    x = jax.ShapeDtypeStruct((512, 1024), jnp.float32)
-    return model, el.train.mse, optax.sgd(1e-2, momentum=0.9), (x, x)
+    policy, found = el.precision.PRESETS[preset], []
+
+    def loss(params, x, y):
+        model = policy.cast_to_compute(params)
+        return jnp.sum(el.train.mse(model, *policy.cast_to_compute((x, y))))
+
+    def trace(x):
+        model = policy.cast_to_param(encoder(cfg, jr.PRNGKey(0)))  # as step.init stores it
+        found.extend(el.memory.saved_residuals(loss, model, x, x))
+        return jnp.zeros(())
+
+    jax.eval_shape(trace, _shapes(cfg)[0])
+    kept = [r for r in found if r.source.startswith("intermediate")
+            or r.source.endswith("(transformed)") or r.source == "constant"]  # fmt: skip
+    step = el.train.make_step(el.train.mse, optax.adam(1e-3), precision=preset)
+    state = eqx.filter_eval_shape(step.init, eqx.filter_eval_shape(encoder, cfg, jr.PRNGKey(0)),
+                                  key=jr.PRNGKey(1))  # fmt: skip
+    leaves = jax.tree.leaves((state.model, state.opt_state))
+    nbytes = sum(x.size * x.dtype.itemsize for x in leaves if hasattr(x, "dtype"))
+    return {"saved_bytes": sum(r.nbytes for r in kept), "param_opt_bytes": int(nbytes)}
 
 
-def child(name: str) -> None:
-    """One configuration in this (fresh) process: predict, and measure on an accelerator."""
-    import jax
-
-    import eqx_lowmem as el
-
-    config = CONFIGS[name]
-    model, loss_fn, optimizer, batch = build(config)
-    measure = jax.default_backend() != "cpu"
-
-    def report(**kwargs):
-        t0 = time.perf_counter()
-        r = el.memory.memory_report(model, loss_fn, optimizer, batch, name=name,
-                                    accumulate=config["accumulate"],
-                                    precision=config["precision"], **kwargs)  # fmt: skip
-        return r.to_dict(), time.perf_counter() - t0
-
-    here, seconds = report(measure=measure)
-    out = {"seconds": seconds, "report": here}
-    target = compile_only_target(jax.devices()[0].device_kind if measure else None)
-    if target is not None:
-        out["target"], out["target_seconds"] = report(target=target)
-    print(MARKER + json.dumps(out), flush=True)
+def accumulate_row(cfg: dict, k: int) -> dict:
+    return guide_row(cfg, {"accumulate": k})
 
 
-def run_child(name: str, platform: str | None) -> dict | None:
-    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    if platform:
-        env["JAX_PLATFORMS"] = platform
-    try:
-        return spawn(__file__, {"name": name}, timeout=600, env=env)
-    except RuntimeError as e:
-        print(f"{name} ({platform or 'default'}) failed: {e}", flush=True)
-        return None
-
-
-_TARGET_COMMANDS = {
-    "cli_guide_report_seconds_h100": ["report", "--target", "h100"],
-    "cli_guide_plan_seconds_a100_40gb": ["plan", "--target", "a100-40gb"],
-}
-
-
-def _target_row(child: dict) -> dict | None:
-    """A configuration's figures for its compile-only target."""
-    r = child.get("target")
-    if r is None:
-        return None
-    return {"device": r["device"], "peak_bytes": r["peak_bytes"], "parts": r["parts"],
-            "at_peak": r["at_peak"], "compiler_options": r["config"]["compiler_options"],
-            "report_seconds": child["target_seconds"]}  # fmt: skip
-
-
-def time_command(args: list[str]) -> dict:
-    """Wall seconds of `eqx-lowmem ARGS` on the guide's configuration (the default model)."""
-    t0 = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-m", "eqx_lowmem.memory._cli", *args],
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "ok": done.returncode == 0, "stdout": done.stdout[-4000:]}
-
-
-def time_cli() -> dict:
-    """Wall seconds of `eqx-lowmem report` on the guide's configuration, with --plot, on CPU."""
-    with tempfile.TemporaryDirectory() as tmp:
-        png = Path(tmp) / "guide.png"
-        t0 = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-m", "eqx_lowmem.memory._cli", "report", "--plot", str(png)],
-            env={**os.environ, "JAX_PLATFORMS": "cpu"},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        seconds = time.perf_counter() - t0
-        ok = done.returncode == 0 and png.stat().st_size > 10_000
-        return {"seconds": seconds, "ok": ok, "stdout": done.stdout[-4000:]}
-
-
-LM_LOSS = {"vocab": 32_000, "d_model": 512, "layers": 2, "heads": 8, "d_ff": 2048}
-LM_LOSS.update(remat=True, batch=8, seq=256, rounds=7)
-
-
-def _head_temps(c: dict, chunk: int) -> dict[str, int]:
-    """The head alone (hidden states and head in, loss out): its loss-and-gradient
-    temporaries, naive (whole logits and log-softmax) and chunked."""
+def shard_rows(cfg: dict) -> dict:
+    """Replicated against FSDP over 2, 4 and 8 devices: per-device compiled bytes."""
     import jax
     import jax.numpy as jnp
+    import jax.random as jr
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh
 
     import eqx_lowmem as el
 
-    n, d, v = c["batch"] * c["seq"], c["d_model"], c["vocab"]
-    args = (jnp.zeros((n, d)), jnp.zeros((v, d)), jnp.zeros((v,)), jnp.zeros((n,), jnp.int32))
+    def loss(model, x):
+        return jnp.mean(jax.vmap(model)(x) ** 2, axis=(1, 2))
 
-    def naive(h, w, b, t):
-        logp = jax.nn.log_softmax(h @ w.T + b[None, :], axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, t[:, None], axis=1))
+    model = encoder(cfg, jr.PRNGKey(0), "full")  # real: init places the state on the mesh
+    batch = (jr.normal(jr.PRNGKey(1), _shapes(cfg)[0].shape),)
+    out = {}
+    for n in (2, 4, 8):
+        mesh = Mesh(np.array(jax.devices()[:n]), ("data",))
+        row = {}
+        for shard in ("data", "fsdp"):
+            step = el.train.make_step(loss, optax.adam(1e-3), accumulate=2, mesh=mesh, shard=shard)
+            state = step.init(model, key=jr.PRNGKey(2))
+            row[shard] = compiled_memory(step.lower(state, batch).compile())
+        out[f"shard/{n}"] = row
+    return out
 
-    def chunked(h, w, b, t):
-        return jnp.mean(el.train.chunked_cross_entropy(h, w, t, head_bias=b, chunk=chunk))
 
-    def temp(f):
-        grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
-        return grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+def wrn_loss(model, state, x, y):
+    """Per-image cross-entropy of a WideResNet; uint8 images normalised as CIFAR-10's."""
+    import jax.numpy as jnp
+    import optax
 
-    return {"naive": temp(naive), "chunked": temp(chunked)}
+    mean = jnp.asarray(CIFAR_MEAN, jnp.float32)[:, None, None]
+    std = jnp.asarray(CIFAR_STD, jnp.float32)[:, None, None]
+    x = ((x.astype(jnp.float32) / 255.0 - mean) / std).astype(model.stem.weight.dtype)
+    logits, state = model.batched(x, state)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y), state
 
 
-def lm_loss() -> dict:
-    """The naive and the chunked LM loss side by side (see the module's docstring)."""
+def _report_row(report_for, gpu: bool) -> dict:
+    """A paper row: the report's parts on XLA:CPU and its compiled figures for an H100."""
+    r = report_for(None)
+    s, at_peak = r.sizes, r.at_peak or {}
+    row = {"model": s["parameters"], "gradients": s["gradients"] + s["accumulator"]}
+    row |= {k: s[k] for k in ("optimizer", "activations", "batch")}
+    row.update(total=int(r.peak_bytes), sum_of_parts=int(sum(row.values())), at_peak=at_peak,
+               live_at_peak=r.live_peak_bytes, packing=r.packing_bytes,
+               backend_upcast_bytes=at_peak.get("upcasts", 0))  # fmt: skip
+    if gpu:
+        g = report_for(GPU_TARGET)
+        row[GPU_TARGET] = {"total": int(g.peak_bytes), "at_peak": g.at_peak,
+                           "live_at_peak": g.live_peak_bytes, "device": g.device}  # fmt: skip
+    return row
+
+
+def paper_row(name: str, smoke: bool) -> dict:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
     import jax.random as jr
-    from _common import compiled_memory, interleaved, median_ratio
+    import optax
 
     import eqx_lowmem as el
-    from eqx_lowmem.train._chunked import DEFAULT_CHUNK
 
-    c = LM_LOSS
-    model = el.nn.CausalLM(
-        c["vocab"], c["seq"], c["layers"], c["d_model"], c["heads"], c["d_ff"],
-        key=jr.key(0), remat=c["remat"],
-    )  # fmt: skip
-    tokens = jr.randint(jr.key(1), (c["batch"], c["seq"] + 1), 0, c["vocab"])
+    if name in PAPER_WRN:
+        cfg = SMOKE["wrn"] if smoke else WRN
+        precision, remat, accumulate, density, acc_dtype = PAPER_WRN[name]
+        model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
+            cfg["depth"],
+            cfg["width"],
+            cfg["classes"],
+            key=jr.PRNGKey(0),
+            in_channels=3,
+            remat=remat,
+        )
+        if density is not None:
+            model = el.sparse.sparsify(model, density, key=jr.PRNGKey(1), storage="bits",
+                                       exclude=el.nn.WideResNet.keep_dense)  # fmt: skip
+        batch = (jax.ShapeDtypeStruct((cfg["batch"], *cfg["image"]), jnp.uint8),
+                 jax.ShapeDtypeStruct((cfg["batch"],), jnp.int32))  # fmt: skip
+        args = (model, wrn_loss, optax.sgd(0.1, momentum=0.9), batch)
+        extra = {"has_state": True, "model_state": state}
+    else:
+        cfg = SMOKE["lm"] if smoke else LM
+        precision, remat, accumulate, acc_dtype = PAPER_LM[name]
+        accumulate = cfg["batch"] if accumulate == "per_sequence" else accumulate
+        model = el.nn.CausalLM(*(cfg[k] for k in ("vocab", "seq", "n_layers", "d_model",
+                                                  "n_heads", "d_ff")),
+                               key=jr.PRNGKey(0), remat=remat, tie_embeddings=True)  # fmt: skip
+        batch = (jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"] + 1), jnp.int32),)
+        args, extra = (model, el.train.next_token_loss, optax.adam(1e-3), batch), {}
 
-    def loss(model, chunk):
-        values, weights = el.train.next_token_loss(model, tokens, chunk=chunk)
-        return jnp.sum(values * weights) / jnp.sum(weights)
+    def report(target):
+        return el.memory.memory_report(*args, accumulate=accumulate, precision=precision,
+                                       accumulate_dtype=jnp.dtype(acc_dtype), name=name,
+                                       target=target, **extra)  # fmt: skip
 
-    paths = {"naive": None, "chunked": "auto"}
-    fns = {n: eqx.filter_jit(eqx.filter_value_and_grad(loss)) for n in paths}
-    memory = {
-        n: compiled_memory(fns[n].lower(model, ch).compile().compiled) for n, ch in paths.items()
-    }
-    out = {n: jax.block_until_ready(fns[n](model, ch)) for n, ch in paths.items()}
-    (l0, g0), (l1, g1) = out["naive"], out["chunked"]
-    grad_diff = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), g0, g1))
-    rounds = interleaved(
-        {n: lambda n=n: jax.block_until_ready(fns[n](model, paths[n])) for n in paths},
-        c["rounds"],
-    )
-    assert memory["naive"] is not None and memory["chunked"] is not None
-    head = _head_temps(c, DEFAULT_CHUNK)
-    return {
-        "config": {**c, "chunk": DEFAULT_CHUNK},
-        "memory": memory,
-        "temp_ratio": memory["naive"]["temp"] / memory["chunked"]["temp"],
-        "head_temp": head,
-        "head_temp_ratio": head["naive"] / head["chunked"],
-        "loss_abs_diff": float(jnp.abs(l0 - l1)),
-        "grad_max_abs_diff": float(max(grad_diff)),
-        "seconds": rounds.wall,
-        "time_ratio": median_ratio(rounds.wall["chunked"], rounds.wall["naive"]),
-        "goals": {"temp_ratio_at_least": 10.0, "time_ratio_at_most": 1.0},
-    }
+    return _report_row(report, gpu=not smoke)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--only", action="append", choices=sorted(CONFIGS))
-    parser.add_argument("--no-cli", action="store_true", help="skip timing the CLI")
-    parser.add_argument("--lm-loss", action="store_true", help="the LM loss's two paths")
-    args = parser.parse_args()
-    if args.lm_loss:
-        result = lm_loss()
-        print(json.dumps({k: v for k, v in result.items() if k != "seconds"}, indent=1))
-        print(f"wrote {write_json('lm_loss', result)}")
-        return
-    if args.worker:
-        child(json.loads(args.worker)["name"])
-        return
-
+def frontier_row(name: str, smoke: bool) -> dict:
+    """A frontier configuration's training step (`quality.py --frontier`) at its batch,
+    compiled for XLA:CPU and for an H100 (there without DSR's rewiring hook, whose host
+    callback compiles only for a backend this process runs)."""
+    import equinox as eqx
     import jax
+    import jax.numpy as jnp
+    import quality as q
 
-    backend = jax.default_backend()
-    results = {}
-    for name in args.only or CONFIGS:
-        row: dict = {"config": CONFIGS[name]}
-        cpu = run_child(name, "cpu")
-        if cpu is not None:
-            r = cpu["report"]
-            row["cpu"] = {
-                "predicted_peak_bytes": r["peak_bytes"],
-                "accelerator_peak_bytes": r["accelerator_peak_bytes"],
-                "parts": r["parts"],
-                "overlap_bytes": r["overlap_bytes"],
-                "report_seconds": cpu["seconds"],
-                "h100_compile_only": _target_row(cpu),
-            }
-        if backend != "cpu":
-            acc = run_child(name, None)
-            if acc is not None:
-                r = acc["report"]
-                measured, predicted = r["measured_peak_bytes"], r["peak_bytes"]
-                row[backend] = {
-                    "device": r["device"],
-                    "predicted_peak_bytes": predicted,
-                    "measured_peak_bytes": measured,
-                    "prediction_error": predicted / measured - 1,
-                    "parts": r["parts"],
-                    "overlap_bytes": r["overlap_bytes"],
-                    "host_bytes": r["host_bytes"],
-                    "attention": r["config"]["attention"],
-                    "compiled": r["compiled"],
-                    "report_seconds": acc["seconds"],
-                    "compile_only": _target_row(acc),
-                }
-                if acc.get("target") is not None:
-                    row[backend]["compile_only_error"] = acc["target"]["peak_bytes"] / measured - 1
-                if cpu is not None:
-                    row[backend]["cpu_estimate_error"] = (
-                        row["cpu"]["accelerator_peak_bytes"] / measured - 1
-                    )
-        results[name] = row
-        print(json.dumps({name: row}, indent=1), flush=True)
+    import eqx_lowmem as el
 
-    summary: dict = {}
-    if backend != "cpu":
-        errors = {n: r[backend]["prediction_error"] for n, r in results.items() if backend in r}
-        summary["gpu_prediction_error"] = errors
-        summary["gpu_within_goal"] = {
-            n: abs(e) <= GOALS["gpu_prediction_error"] for n, e in errors.items()
-        }
-        summary["compile_only_error"] = {
-            n: r[backend].get("compile_only_error") for n, r in results.items() if backend in r
-        }
-    if not args.no_cli:
-        cli = time_cli()
-        summary["cli_guide_report_seconds_cpu"] = cli["seconds"]
-        summary["cli_ok"] = cli["ok"]
-        print(cli["stdout"], flush=True)
-        for key, args in _TARGET_COMMANDS.items():
-            timed = time_command(args)
-            summary[key], summary[key.replace("seconds", "ok")] = timed["seconds"], timed["ok"]
-            summary[key.replace("seconds", "output")] = timed["stdout"]
-            print(timed["stdout"], flush=True)
-    print(json.dumps(summary, indent=1), flush=True)
-    path = write_json("memory", {"goals": GOALS, "summary": summary, "results": results})
-    print(f"wrote {path}")
+    cfg = {**(q.FRONTIER_QUICK if smoke else q.FRONTIER)}
+    batch = (jax.ShapeDtypeStruct((cfg["batch"], 1, 28, 28), jnp.float32),
+             jax.ShapeDtypeStruct((cfg["batch"],), jnp.int32))  # fmt: skip
+
+    def peak(opts, mesh=None):
+        step = q.make_config_step(name, cfg, opts=opts, mesh=mesh)
+        state = eqx.filter_eval_shape(lambda: q.init_state(name, 0, cfg, step, opts))
+        return compiled_memory(step.lower(state, batch).compile())["peak"]
+
+    opts = q.ALL_CONFIGS[name]
+    row = {"peak": peak(opts)}
+    if not smoke:
+        gpu = el.memory.Target(GPU_TARGET)
+        row[GPU_TARGET] = peak({**opts, "rewire": False}, gpu.mesh((1,), ("data",)))
+    return row
+
+
+def rows(smoke: bool) -> dict:
+    """Every row's name and the call that computes it (shard's: all its rows at once)."""
+    guide = SMOKE["guide"] if smoke else GUIDE
+    acc = SMOKE["guide"] if smoke else ACCUMULATE
+    out = {n: (guide_row, guide, o) for n, o in GUIDE_ROWS.items()}
+    out |= {f"precision/{p}": (precision_row, guide, p) for p in PRECISIONS}
+    out |= {f"accumulate/k{k}": (accumulate_row, acc, k) for k in (1, 2, 4, 8)}
+    out["shard/"] = (shard_rows, SMOKE["guide"] if smoke else SHARD)
+    out |= {f"paper/{n}": (paper_row, n, smoke) for n in (*PAPER_WRN, *PAPER_LM)}
+    from quality import ALL_CONFIGS
+
+    return out | {f"frontier/{n}": (frontier_row, n, smoke) for n in ALL_CONFIGS}
+
+
+def worker(spec: dict) -> dict:
+    fn, *args = rows(spec["smoke"])[spec["name"]]
+    return fn(*args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", default=[""], help="rows whose name starts so")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, no GPU target")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return 0
+    path = args.out / "memory_grid.json"
+    old = json.loads(path.read_text()) if path.exists() else {"rows": {}}
+    kept, found = old["rows"], {}
+    for name, (fn, *fargs) in rows(args.smoke).items():
+        if not any(name.startswith(p) for p in args.only):
+            continue
+        if name == "shard/":  # 8 host devices, set before JAX starts: a process of its own
+            flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+            found |= spawn(__file__, {"name": name, "smoke": args.smoke}, env={"XLA_FLAGS": flags})
+        else:
+            found[name] = fn(*fargs)
+        # Written after every row: a long run keeps what it compiled.
+        # `copied`: rows taken from an earlier script's JSON, not yet compiled by this one.
+        copied = [n for n in old.get("copied", []) if n not in found]
+        record = {"rows": {**kept, **found}, **({"copied": copied} if copied else {})}
+        path = write_json("memory_grid", record, directory=args.out)
+        print(f"{name}: wrote {path}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

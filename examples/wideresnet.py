@@ -52,7 +52,7 @@ def main() -> None:
         default="mixed_fp16",
         choices=("float32", "half_bf16", "half_fp16", "mixed_bf16", "mixed_fp16"),
     )
-    # The rate benchmarks/paper_quality.py --select-lr chose on held-out training images.
+    # The rate benchmarks/quality.py --select-lr chose on held-out training images.
     p.add_argument("--lr", type=float, default=0.2, help="peak learning rate (cosine decay)")
     args = p.parse_args()
     if not args.lr > 0:

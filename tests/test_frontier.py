@@ -1,4 +1,4 @@
-"""benchmarks/frontier.py: accuracy against compiled memory, the Pareto front and the
+"""benchmarks/quality.py --frontier: accuracy against compiled memory, the Pareto front and the
 README's budget table read from its JSON."""
 
 import json
@@ -14,14 +14,14 @@ import pytest
 from .test_wrn import TYPE_CHECKED_RUN, _need_fashion_mnist
 
 ROOT = Path(__file__).parent.parent
-SCRIPT = ROOT / "benchmarks" / "frontier.py"
+SCRIPT = ROOT / "benchmarks" / "quality.py"
 
 
 def _frontier():
     import importlib.util
 
-    sys.path.insert(0, str(SCRIPT.parent))  # it imports paper_quality and _common
-    spec = importlib.util.spec_from_file_location("frontier", SCRIPT)
+    sys.path.insert(0, str(SCRIPT.parent))  # it imports _common
+    spec = importlib.util.spec_from_file_location("quality", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -70,17 +70,17 @@ def test_every_configuration_of_the_grid_reaches_its_step_and_model():
     import eqx_lowmem as el
 
     frontier = _frontier()
-    cfg = frontier.QUICK
+    cfg = frontier.FRONTIER_QUICK
     assert len(frontier.CONFIGS) >= 10 and set(frontier.COMBINATIONS) <= set(frontier.CONFIGS)
     for name, opts in frontier.CONFIGS.items():
-        step = frontier.pq.make_config_step(name, cfg, opts=opts)
+        step = frontier.make_config_step(name, cfg, opts=opts)
         c = step.config
         assert c.accumulate == opts["accumulate"], name
         assert c.accumulate_dtype == jnp.dtype(opts.get("accumulate_dtype", "float32")), name
         half = opts["precision"] == "half_fp16"
         assert c.policy.param_dtype == (jnp.float16 if half else jnp.float32), name
         assert (c.after_update is not None) == (opts["density"] is not None), name
-        model = frontier.pq.init_state(name, 0, cfg, step, opts).model
+        model = frontier.init_state(name, 0, cfg, step, opts).model
         assert model.depth == opts.get("depth", cfg["depth"]), name
         assert model.width == opts.get("width", cfg["width"]), name
         density = el.sparse.density(model) if opts["density"] is not None else None
@@ -122,7 +122,8 @@ def test_quick_frontier_run_writes_rows_front_table_and_plot(tmp_path):
     env["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
     env["JAX_NUMPY_RANK_PROMOTION"] = "raise"
     proc = subprocess.run(
-        [sys.executable, "-c", TYPE_CHECKED_RUN, SCRIPT, "--quick", "--out", tmp_path],
+        [sys.executable, "-c", TYPE_CHECKED_RUN, SCRIPT, "--frontier", "--quick", "--out",
+         tmp_path],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -273,7 +273,7 @@ def test_micro_batches_use_their_own_statistics(getkey, precision):
     assert not tree_allclose(out.model_state, whole, atol=1e-4)
 
 
-QUALITY_SCRIPT = Path(__file__).parent.parent / "benchmarks" / "paper_quality.py"
+QUALITY_SCRIPT = Path(__file__).parent.parent / "benchmarks" / "quality.py"
 
 # The script as the suite checks the package: jaxtyping and beartype on eqx_lowmem.
 TYPE_CHECKED_RUN = """
@@ -287,7 +287,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def _quality_script():
-    return load_benchmark("paper_quality")
+    return load_benchmark("quality")
 
 
 def _need_fashion_mnist():
@@ -302,7 +302,7 @@ def _need_fashion_mnist():
 
 @pytest.mark.slow  # the benchmark script's whole run, in two workers
 def test_quality_run_small_version(tmp_path):
-    # The paper's accuracy comparison (benchmarks/paper_quality.py) at a size for the test
+    # The paper's accuracy comparison (benchmarks/quality.py) at a size for the test
     # suite, run as a user runs it: two updates of 20 images (10 micro-batches of 2 in the
     # combination) per configuration on real Fashion-MNIST, the JSON and the plot. Two
     # seeds, so the default trains them in two worker processes (started, like this one,
@@ -365,7 +365,7 @@ def test_a_failing_quality_worker_stops_the_run_with_its_error(tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0
     assert "depth must be 6n + 4" in proc.stderr and "got 11" in proc.stderr
-    assert "paper_quality workers failed" in proc.stderr and "exit code 1" in proc.stderr
+    assert "quality workers failed" in proc.stderr and "exit code 1" in proc.stderr
     assert not (tmp_path / "paper_quality_quick.json").exists()
 
 

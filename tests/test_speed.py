@@ -1,9 +1,10 @@
-"""benchmarks/gpu.py: its smoke mode runs every configuration at tiny sizes in a real worker
-process and writes the JSON a GPU run would; its goal and consistency logic, on made-up
-figures."""
+"""benchmarks/speed.py, the speed grid (`--device gpu` is the GPU run): its smoke mode runs
+every configuration at tiny sizes in a real worker process and writes the JSON a GPU run
+would; its goal and consistency logic, on made-up figures."""
 
 import inspect
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +15,10 @@ import eqx_lowmem as el
 
 from .helpers import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py"
 
 
-gpu = load_benchmark("gpu")
+gpu = load_benchmark("speed")
 
 
 def _expected_unavailable(name: str) -> bool:
@@ -38,7 +39,7 @@ def _expected_unavailable(name: str) -> bool:
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu") / "gpu.json"
+    out = tmp_path_factory.mktemp("speed") / "speed.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
         capture_output=True,
@@ -80,8 +81,7 @@ def test_smoke_records_null_peaks_on_cpu_and_the_environment(smoke):
     assert record["environment_variables"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     for name, result in record["configs"].items():
         if "step_s" in result:
-            assert result["memory_stats"] is None, name  # device.memory_stats() is None on CPU
-            assert result.get("peak") is None, name
+            assert result["peak"] is None, name  # device.memory_stats() is None on CPU
     # Compile-only figures still exist: the memory report and the host-memory figures.
     report = record["configs"]["remat/none"]["report"]
     assert report["predicted"] > 0 and report["trusted"] == "peak_bytes"
@@ -102,35 +102,33 @@ def test_smoke_evaluates_goals_and_checks(smoke):
     assert record["checks"]["float32"]["ok"], record["checks"]
     assert "accumulate/k4" in record["checks"]["float32"]["names"]
     assert "wrote" in stdout
-    # Side-by-side tables, each row against its group's baseline.
+    # Side-by-side tables, each row against its group's baseline, timed in the same rounds.
     remat = record["tables"]["remat"]
     assert remat["baseline"] == "remat/none"
     assert [row["name"] for row in remat["rows"]][:2] == ["remat/none", "remat/full"]
     assert remat["rows"][0]["time_vs_base"] == 1.0 and remat["rows"][0]["peak_vs_base"] is None
-    paper = record["tables"]["paper"]["rows"]
-    assert [row["paper_reduction"] for row in paper] == [1.0, 9.5, 33.2, 60.7]
+    none, full = record["configs"]["remat/none"], record["configs"]["remat/full"]
+    assert len(none["step_s_all"]) == len(full["step_s_all"]) >= 2
 
 
 @pytest.mark.slow  # the whole script's smoke run
-def test_smoke_runs_configurations_in_worker_processes(smoke):
+def test_smoke_runs_configurations_in_a_worker_process(smoke):
     record, out, _ = smoke
     pids = {r["pid"] for r in record["configs"].values()}
-    assert all(r["memory_before"] is None for r in record["configs"].values())
-    assert len(pids) == gpu.SMOKE_JOBS
-    assert record["process_per_configuration"] is False
+    assert len(pids) == 1 and pids != {os.getpid()}
     # Written atomically: no temporary left beside the JSON.
     assert [p.name for p in out.parent.iterdir()] == [out.name]
 
 
-def test_refuses_full_sizes_without_a_gpu(tmp_path):
+def test_refuses_the_gpu_run_without_a_gpu(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "x.json")],
+        [sys.executable, str(SCRIPT), "--device", "gpu", "--out", str(tmp_path / "x.json")],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert proc.returncode == 2
-    assert "not a GPU: run with --smoke" in proc.stderr
+    assert "not a GPU: run with --smoke (tiny sizes) or --device cpu" in proc.stderr
     assert not (tmp_path / "x.json").exists()
 
 
@@ -180,6 +178,17 @@ def test_goals_missing_figures_are_none_not_failures():
     assert goals["full_remat_peak"]["ratio"] is None and goals["full_remat_peak"]["met"] is None
     assert goals["mixed_bf16_speed"]["met"] is None
     assert goals["report_within_5_percent"]["met"] is None
+
+
+def test_times_taken_side_by_side_compare_round_by_round():
+    # In one process (CPU), a ratio is the median of the rounds' ratios, not of the medians:
+    # a round slowed for both by the machine's load cancels out.
+    results = _gpu_like()
+    results["remat/none"] |= {"pid": 7, "step_s_all": [1.0, 2.0, 10.0]}
+    results["remat/full"] |= {"pid": 7, "step_s_all": [1.3, 2.4, 11.0]}
+    goals = gpu.evaluate_goals(results)
+    assert goals["full_remat_time"]["ratio"] == pytest.approx(1.2)  # of 1.3, 1.2, 1.1
+    assert goals["full_remat_time"]["met"] is True
 
 
 def test_consistency_check_flags_a_different_loss():

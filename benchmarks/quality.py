@@ -1,0 +1,599 @@
+"""Accuracy: Sohoni et al. (2019)'s comparison on Fashion-MNIST, and accuracy against memory.
+
+A WideResNet trained in FP32 dense against the paper's whole combination: 16-bit compute
+with a dynamic loss scale (`mixed_fp16`), every residual block recomputed
+("checkpoint-residual-1"), micro-batches of 10 at batch 100 and 30% of the 3x3 convolutions
+rewired by DSR. Every configuration sees the same images in the same order from the same
+initial weights per seed; test accuracy after every epoch goes in the JSON. The data: the
+Debian package `dataset-fashion-mnist`. The seeds (or, `--frontier`, the configurations)
+train side by side, one worker process each pinned to its own core: XLA:CPU runs one small
+WRN update only 1.2x faster on two cores than on one.
+
+    python benchmarks/quality.py                  # the comparison: paper_quality.json
+    python benchmarks/quality.py --select-lr      # the rate, on held-out training images
+    python benchmarks/quality.py --ablation       # each technique alone, seed 0
+    python benchmarks/quality.py --sparse-variants  # DSR's settings, held out
+    python benchmarks/quality.py --timing-only    # step times only
+    python benchmarks/quality.py --frontier       # accuracy against compiled memory (45 min)
+    python benchmarks/quality.py --quick [--frontier]  # a smoke test
+
+`--frontier` trains a WRN-10-2 family over a grid of the techniques, alone and combined
+(micro-batches of 10, 2 and 1), and smaller dense models, for 240 updates (`--configs`,
+`--train 60000 --name frontier_long`: a part of it, longer): per configuration
+the compiled peak of its training step (`memory_analysis()`), the accuracy over two seeds
+and the seconds per update; the Pareto front and, per memory budget, the most accurate
+configuration that fits (`frontier.json` and `.png`; H100 peaks: `memory.py`'s `frontier/*`).
+"""
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    RESULTS,
+    compiled_memory,
+    pinned_worker,
+    pyplot,
+    run_pinned,
+    save_figure,
+    workers_per_core,
+    write_json,
+)
+
+_START = time.perf_counter()
+MB = 1e6
+# 2 seeds x 1,800 updates (the whole training set, 3 epochs): 1,391 s on the 2 cores.
+QUALITY = {"depth": 10, "width": 1, "train": 60_000, "test": 10_000, "epochs": 3,
+           "seeds": [0, 1], "batch": 100, "lr": 0.2}  # lr: `--select-lr`, 2026-12-02  # fmt: skip
+QUALITY_QUICK = {**QUALITY, "train": 400, "test": 200, "epochs": 1, "seeds": [0]}
+LR_CANDIDATES = [0.05, 0.1, 0.2, 0.4]
+VALIDATION_SEED = 123
+FASHION_TRAIN = 60_000
+_FP32 = {"precision": "float32", "remat": False, "accumulate": 1, "density": None}
+QUALITY_CONFIGS = {
+    "baseline_fp32": _FP32,
+    "combined": {"precision": "mixed_fp16", "remat": "checkpoint-residual-1", "accumulate": 10,
+                 "density": 0.3},
+}  # fmt: skip
+_COMB = QUALITY_CONFIGS["combined"]
+# Each technique alone, and the combination without its sparsity (`--ablation`, seed 0).
+ABLATIONS = {"fp16": {**_FP32, "precision": "mixed_fp16"}, "sparse30": {**_FP32, "density": 0.3},
+             "micro10": {**_FP32, "accumulate": 10},
+             "combined_dense": {**_COMB, "density": None}}  # fmt: skip
+# The combination with DSR's settings changed (`--sparse-variants`, held out): defaults are
+# distribution "uniform", slack 0.1, rewiring on and `dsr`'s own fraction (0.01).
+SPARSE_VARIANTS = {"combined": _COMB, "combined_dense": ABLATIONS["combined_dense"],
+                   "combined_erk": {**_COMB, "distribution": "erk"},
+                   "combined_slack05": {**_COMB, "slack": 0.5},
+                   "combined_static": {**_COMB, "rewire": False},
+                   "combined_fraction_0.003": {**_COMB, "dsr_fraction": 0.003}}  # fmt: skip
+
+# The frontier: WRN-10-2 (303,418 weights), 240 updates of 100 per seed (about 40 minutes).
+FRONTIER = {**QUALITY, "width": 2, "train": 24_000, "epochs": 1}
+FRONTIER_QUICK = {**FRONTIER, "train": 40, "test": 100, "batch": 20}
+_HALF = {"precision": "half_fp16", "accumulate_dtype": "float16"}  # micro-batched 16 bits
+_COMBINED = {**_FP32, **_HALF, "remat": "checkpoint-residual-1", "accumulate": 10, "density": 0.3}
+_DENSE, _SMALL = {**_COMBINED, "density": None}, {"depth": 10, "width": 1}
+CONFIGS = {  # the slowest first, so that two workers finish together
+    "combined_micro1": {**_COMBINED, "accumulate": 100},
+    "minimal": {**_FP32, "remat": "minimal"},
+    "combined_dense": _DENSE,
+    **{f"dsr{d}": {**_FP32, "density": d / 100} for d in (10, 50, 30)},
+    "fp32": _FP32,
+    "fp16": {**_FP32, "precision": "half_fp16"},
+    "checkpoint1": {**_FP32, "remat": "checkpoint-residual-1"},
+    "combined_micro2": {**_COMBINED, "accumulate": 50},
+    "micro10": {**_FP32, "accumulate": 10},
+    "combined": _COMBINED,
+    # Dense and smaller, at the combinations' compiled peaks.
+    "small_combined_dense_micro1": {**_DENSE, **_SMALL, "accumulate": 100},
+    "small_fp32": {**_FP32, **_SMALL},
+    "small_combined_dense": {**_DENSE, **_SMALL},
+}
+# Normalisation at small micro-batches (issue 36; `--configs`): BatchNorm evaluated as it
+# trained (`el.nn.apply_with_batch_statistics`), GroupNorm, GroupNorm with WS.
+NORM_CONFIGS = {
+    "combined_micro1_bn_eval": {**_COMBINED, "accumulate": 100, "eval_stats": "micro_batch"},
+    "combined_micro1_gn": {**_COMBINED, "accumulate": 100, "norm": "group"},
+    "combined_dense_micro1_gnws": {**_DENSE, "accumulate": 100, "norm": "group_ws"},
+    "combined_micro2_bn_eval": {**_COMBINED, "accumulate": 50, "eval_stats": "micro_batch"},
+    "combined_gn": {**_COMBINED, "norm": "group"},
+}
+ALL_CONFIGS = {**CONFIGS, **NORM_CONFIGS}
+QUICK_CONFIGS = ["combined", "fp32", "small_combined_dense"]
+COMBINATIONS = ["combined", "combined_micro2", "combined_micro1"]  # the goal: dense beats?
+NOTES = ["checkpoint-residual-3 is checkpoint-residual-1 on one block per group"]
+
+
+def _opts(name: str) -> dict:
+    return {**QUALITY_CONFIGS, **ABLATIONS, **SPARSE_VARIANTS}[name]
+
+
+# ------------------------------------------------------------------------ data and steps
+
+
+def wrn_loss(model, state, x, y):
+    """Per-image cross-entropy of a WideResNet, threading its BatchNorm state."""
+    import jax.numpy as jnp
+    import optax
+
+    logits, state = model.batched(x, state)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y), state
+
+
+def _images(split: str, n: int | None = None) -> tuple[Any, Any]:
+    import numpy as np
+
+    import eqx_lowmem as el
+
+    images, labels = el.data.fashion_mnist(split)
+    x = (images[:n].astype(np.float32) / 255.0 - 0.2860) / 0.3530  # the training set's stats
+    return x[:, None], labels[:n].astype(np.int32)  # (n, 1, 28, 28)
+
+
+def load_data(cfg: dict) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    """`((x_train, y_train), (x_eval, y_eval))`: the first `cfg["train"]` training and
+    `cfg["test"]` test images; with `cfg["validation"]`, `cfg["test"]` training images held
+    out at random for evaluation and `cfg["train"]` of the others, the test set untouched."""
+    if not cfg.get("validation"):
+        return _images("train", cfg["train"]), _images("test", cfg["test"])
+    x, y = _images("train")
+    if cfg["train"] + cfg["test"] > len(x):
+        raise ValueError(f"a validation run needs train + test <= {len(x):,} training images, "
+                         f"got train={cfg['train']:,} and test={cfg['test']:,}.")  # fmt: skip
+    rest, held = validation_split(len(x), cfg["test"], cfg["train"])
+    return (x[rest], y[rest]), (x[held], y[held])
+
+
+def validation_split(total: int, held: int, train: int) -> tuple[Any, Any]:
+    """Indices into `total` training images: `train` to train on (ascending) and `held`
+    others held out, drawn at random with `VALIDATION_SEED`."""
+    import numpy as np
+
+    order = np.random.default_rng(VALIDATION_SEED).permutation(total)
+    return np.sort(order[held:])[:train], order[:held]
+
+
+def total_steps(cfg: dict) -> int:
+    return (cfg["train"] // cfg["batch"]) * cfg["epochs"]
+
+
+def dsr_period(total: int) -> int:
+    """DSR's base period: about 10 rewirings in a run (`dsr` doubles the period at 20%, 40%
+    and 60% and stops at 80%), the authors' 100 at most."""
+    return max(1, min(100, round(0.375 * total / 10)))
+
+
+def make_config_step(name: str, cfg: dict, precision=None, opts=None, mesh=None) -> Any:
+    """The training step of one configuration (`precision` overrides its own; `opts` its
+    settings when `name` is not one of the comparison's; `mesh` places it)."""
+    import jax.numpy as jnp
+    import optax
+
+    import eqx_lowmem as el
+
+    opts, total = _opts(name) if opts is None else opts, total_steps(cfg)
+    after_update = None
+    if opts["density"] is not None and opts.get("rewire", True):
+        fraction = {"fraction": opts["dsr_fraction"]} if "dsr_fraction" in opts else {}
+        after_update = el.sparse.dsr(period=dsr_period(total), total_steps=total, **fraction)
+    schedule = optax.cosine_decay_schedule(cfg["lr"], max(total, 1))
+    optimizer = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(schedule, momentum=0.9))
+    dtype = jnp.dtype(opts.get("accumulate_dtype", "float32"))
+    return el.train.make_step(wrn_loss, optimizer, has_state=True, accumulate=opts["accumulate"],
+                              precision=precision or opts["precision"], accumulate_dtype=dtype,
+                              after_update=after_update, mesh=mesh)  # fmt: skip
+
+
+def init_state(name: str, seed: int, cfg: dict, step: Any, opts: dict | None = None) -> Any:
+    """The initial state of one configuration and seed: per seed the same dense weights in
+    every configuration of one architecture (`opts` may set `depth` and `width`)."""
+    import equinox as eqx
+    import jax.random as jr
+
+    import eqx_lowmem as el
+
+    opts, key = _opts(name) if opts is None else opts, jr.PRNGKey(seed)
+    depth, width = opts.get("depth", cfg["depth"]), opts.get("width", cfg["width"])
+    model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
+        depth, width, 10, key=key, in_channels=1, remat=opts["remat"],
+        norm=opts.get("norm", "batch"),
+    )  # fmt: skip
+    if opts["density"] is not None:
+        model = el.sparse.sparsify(model, opts["density"], key=jr.fold_in(key, 1),
+                                   distribution=opts.get("distribution", "uniform"),
+                                   slack=opts.get("slack", 0.1),
+                                   exclude=el.nn.WideResNet.keep_dense)  # fmt: skip
+    return step.init(model, key=jr.fold_in(key, 2), model_state=state)
+
+
+def _predict(model, state, x, micro_batch=None):
+    """Predicted classes: BatchNorm's running statistics, or (`micro_batch`) each
+    micro-batch normalised by its own statistics, as the training step did."""
+    import equinox as eqx
+    import jax.numpy as jnp
+
+    import eqx_lowmem as el
+
+    x = x.astype(model.stem.weight.dtype)  # 16-bit parameters take 16-bit images
+    if micro_batch is not None:
+        logits = el.nn.apply_with_batch_statistics(model, state, x, micro_batch=micro_batch)
+    else:
+        logits, _ = eqx.nn.inference_mode(model).batched(x, state)
+    return jnp.argmax(logits, axis=-1)
+
+
+def train_one(name, seed, cfg, data, step=None, precision=None, opts=None) -> dict:
+    """Train one configuration; test accuracy after every epoch, the first call's seconds
+    and the median seconds of the other updates."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import eqx_lowmem as el
+
+    (x_train, y_train), (x_test, y_test) = data
+    opts = _opts(name) if opts is None else opts
+    step = make_config_step(name, cfg, precision, opts) if step is None else step
+    ts = init_state(name, seed, cfg, step, opts)
+    predict = eqx.filter_jit(_predict)
+    if opts.get("eval_stats") == "micro_batch":  # BatchNorm evaluated as it trained
+        predict = functools.partial(_predict, micro_batch=cfg["batch"] // opts["accumulate"])
+    rng, b = np.random.default_rng(seed), cfg["batch"]
+    curve, losses, skipped, step_s, t0 = [], [], 0, [], time.perf_counter()
+    for epoch in range(cfg["epochs"]):
+        order, epoch_losses = rng.permutation(len(x_train)), []
+        for i in range(len(x_train) // b):
+            idx = np.sort(order[i * b : (i + 1) * b])
+            t1 = time.perf_counter()
+            ts, metrics = step(ts, (jnp.asarray(x_train[idx]), jnp.asarray(y_train[idx])))
+            jax.block_until_ready(metrics)
+            step_s.append(time.perf_counter() - t1)
+            epoch_losses.append(float(metrics["loss"]))
+            skipped += not bool(metrics["finite"])
+        correct = sum(int(jnp.sum(predict(ts.model, ts.model_state, jnp.asarray(x_test[j:j + 500]))
+                                  == jnp.asarray(y_test[j:j + 500])))
+                      for j in range(0, len(x_test), 500))  # fmt: skip
+        curve.append(correct / len(x_test))
+        losses.append(float(np.mean(epoch_losses)))
+        print(f"{name} seed {seed} epoch {epoch + 1}: loss {losses[-1]:.4f} test accuracy "
+              f"{curve[-1]:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+    out = {"test_accuracy": curve, "train_loss": losses, "skipped_updates": skipped,
+           "final_loss_scale": float(metrics["loss_scale"]), "first_call_s": step_s[0],
+           "step_s": statistics.median(step_s[1:]) if len(step_s) > 1 else None,
+           "seconds": time.perf_counter() - t0}  # fmt: skip
+    if opts["density"] is not None:
+        out["density"] = float(el.sparse.density(ts.model))
+    return out
+
+
+def time_steps(cfg: dict, data: tuple, steps: int = 5) -> dict:
+    """The first call's seconds and the median of `steps` more (FP32; FP16 and bf16 combined)."""
+    import jax
+    import jax.numpy as jnp
+    from _common import time_median
+
+    (x, y), _ = data
+    batch, out = (jnp.asarray(x[: cfg["batch"]]), jnp.asarray(y[: cfg["batch"]])), {}
+    rows = {"baseline_fp32": ("baseline_fp32", None), "combined_fp16": ("combined", "mixed_fp16"),
+            "combined_bf16": ("combined", "mixed_bf16")}  # fmt: skip
+    for row, (name, precision) in rows.items():
+        step = make_config_step(name, cfg, precision)
+        holder = [init_state(name, 0, cfg, step)]
+
+        def update(step=step, holder=holder):
+            holder[0], metrics = step(holder[0], batch)
+            jax.block_until_ready(metrics)
+
+        t0 = time.perf_counter()
+        update()
+        first = time.perf_counter() - t0
+        out[row] = {"first_call_s": first, "step_s": time_median(update, repeats=steps, burn_in=0)}
+        print(f"{row}: first call {first:.1f} s, step {out[row]['step_s']:.3f} s", flush=True)
+    return out
+
+
+# -------------------------------------------------------------------------------- workers
+
+
+def _train_spec(spec: dict) -> dict:
+    """A worker's job: each of `names` on each of `seeds` (`{name: {seed: run}}`), or
+    (`frontier`) one configuration's compiled peak, then its seeds."""
+    cfg = spec["cfg"]
+    data = load_data(cfg)
+    if "frontier" in spec:
+        return train_config(spec, data)
+    names = spec.get("names") or list(QUALITY_CONFIGS)
+    steps = {n: make_config_step(n, cfg, spec["precision"] if n == "combined" else None)
+             for n in names}  # fmt: skip
+    runs: dict[str, dict] = {n: {} for n in names}
+    for seed in spec["seeds"]:  # configurations rotated per seed: workers run different ones
+        k = cfg["seeds"].index(seed) % len(names)
+        for n in names[k:] + names[:k]:
+            runs[n][str(seed)] = train_one(n, seed, cfg, data, steps[n])
+    return runs
+
+
+def run_workers(specs: list[dict], workers: int | None = None) -> list[dict]:
+    """Each of `specs` in its own worker process pinned to a core, at most `workers` at a
+    time (default one per core; 1: all here); their results in order."""
+    workers = workers_per_core(len(specs)) if workers is None else min(workers, len(specs))
+    if workers <= 1:
+        return [_train_spec({**s, "cache": None}) for s in specs]
+    return run_pinned(__file__, specs, workers)
+
+
+def run_quality(cfg: dict, precision=None, workers=None) -> dict:
+    """The comparison at `cfg`, each worker given every `workers`-th seed."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    workers = workers_per_core(len(cfg["seeds"])) if workers is None else workers
+    workers = min(workers, len(cfg["seeds"]))
+    specs = [{"cfg": cfg, "seeds": cfg["seeds"][w::workers], "precision": precision,
+              "label": f"seeds {cfg['seeds'][w::workers]}"} for w in range(workers)]  # fmt: skip
+    merged: dict[str, dict] = {n: {} for n in QUALITY_CONFIGS}
+    for out in run_workers(specs, workers):
+        for n, by_seed in out.items():
+            merged[n].update(by_seed)
+    runs = {n: {str(s): merged[n][str(s)] for s in cfg["seeds"]} for n in merged}
+    final = {n: float(np.mean([r["test_accuracy"][-1] for r in runs[n].values()])) for n in runs}
+    gap = 100 * (final["baseline_fp32"] - final["combined"])
+    return {"config": cfg, "configs": QUALITY_CONFIGS, "workers": workers,
+            "combined_precision": precision or QUALITY_CONFIGS["combined"]["precision"],
+            "dsr": {"period": dsr_period(total_steps(cfg)), "total_steps": total_steps(cfg)},
+            "runs": runs, "final_mean_accuracy": final, "gap_points": gap,
+            "within_half_a_point": bool(gap <= 0.5),
+            "run_seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def held_out(cfg: dict) -> dict:
+    """`cfg` scored on `cfg["test"]` held-out training images, with its first seed."""
+    train = min(cfg["train"], FASHION_TRAIN - cfg["test"])
+    return {**cfg, "train": train, "validation": True, "seeds": cfg["seeds"][:1]}
+
+
+def run_rows(cfg: dict, rows: dict, workers=None, held=False) -> dict:
+    """Each configuration of `rows` on `cfg`'s first seed, one worker each; on held-out
+    training images (`held`), their accuracy named `validation_accuracy`."""
+    cfg = held_out(cfg) if held else {**cfg, "seeds": cfg["seeds"][:1]}
+    t0, runs = time.perf_counter(), {}
+    specs = [{"cfg": {**cfg, "lr": r.get("lr", cfg["lr"])}, "seeds": cfg["seeds"],
+              "precision": None, "names": [r.get("name", n)], "label": n}
+             for n, r in rows.items()]  # fmt: skip
+    for n, out in zip(rows, run_workers(specs, workers), strict=True):
+        runs[n] = next(iter(out.values()))
+        for run in runs[n].values() if held else ():
+            run["validation_accuracy"] = run.pop("test_accuracy")
+    return {"config": cfg, "configs": rows, "workers": workers or workers_per_core(len(rows)),
+            "runs": runs, "run_seconds": time.perf_counter() - t0}  # fmt: skip
+
+
+def select_lr(cfg: dict, candidates: list[float], workers=None) -> dict:
+    """The rate, before any test image is seen: the FP32 baseline's best on held-out images."""
+    rows = {str(lr): {"name": "baseline_fp32", "lr": lr} for lr in candidates}
+    out = run_rows(cfg, rows, workers, held=True)
+    seed = str(out["config"]["seeds"][0])
+    runs = {lr: by_seed[seed] for lr, by_seed in out["runs"].items()}
+    accuracy = {lr: run["validation_accuracy"][-1] for lr, run in runs.items()}
+    best = max(candidates, key=lambda lr: accuracy[str(lr)])  # the first of any tie
+    return {"rule": "the FP32 dense baseline's final accuracy on held-out training images",
+            "config": out["config"], "validation_seed": VALIDATION_SEED,
+            "candidates": list(candidates), "runs": runs, "validation_accuracy": accuracy,
+            "selected_lr": best, "workers": out["workers"],
+            "run_seconds": out["run_seconds"]}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ frontier
+
+
+def uses(opts: dict, cfg: dict) -> str:
+    """A configuration's settings in words."""
+    parts = [f"WRN-{opts.get('depth', cfg['depth'])}-{opts.get('width', cfg['width'])}",
+             {"float32": "FP32", "half_fp16": "FP16"}[opts["precision"]]]  # fmt: skip
+    parts += [str(opts["remat"])] if opts["remat"] else []
+    parts += [f"micro-batches of {cfg['batch'] // opts['accumulate']}"] * (opts["accumulate"] > 1)
+    parts += [f"{opts['density']:.0%} DSR"] if opts["density"] is not None else []
+    norm = {"group": "GroupNorm", "group_ws": "GroupNorm + WS"}.get(opts.get("norm", "batch"))
+    parts += [norm] if norm else []
+    parts += ["BatchNorm evaluated per micro-batch"] * (opts.get("eval_stats") == "micro_batch")
+    return " + ".join(parts)
+
+
+def train_config(spec: dict, data: tuple) -> dict:
+    """The compiled peak of one configuration's step at the run's batch (the program the
+    first call then reads back from the persistent cache), then each seed trained."""
+    import jax
+    import jax.numpy as jnp
+
+    name, opts, cfg = spec["name"], spec["opts"], spec["cfg"]
+    if spec.get("cache"):
+        jax.config.update("jax_compilation_cache_dir", spec["cache"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    step = make_config_step(name, cfg, opts=opts)
+    state = init_state(name, cfg["seeds"][0], cfg, step, opts)
+    (x, y), _ = data
+    t0 = time.perf_counter()
+    batch = (jnp.asarray(x[: cfg["batch"]]), jnp.asarray(y[: cfg["batch"]]))
+    memory = compiled_memory(step.lower(state, batch).compile())
+    compile_s = time.perf_counter() - t0
+    runs = {str(s): train_one(name, s, cfg, data, step, opts=opts) for s in cfg["seeds"]}
+    return {"memory": memory, "compile_s": compile_s, "runs": runs}
+
+
+def _row(name: str, opts: dict, cfg: dict, out: dict) -> dict:
+    runs = out["runs"]
+    final = [r["test_accuracy"][-1] for r in runs.values()]
+    steps = [r["step_s"] for r in runs.values() if r["step_s"] is not None]
+    updates = total_steps(cfg)
+    return {"config": name, "compiled_peak_bytes": out["memory"]["peak"],
+            "test_accuracy": statistics.mean(final),
+            "test_accuracy_spread": max(final) - min(final),
+            "step_s": statistics.median(steps) if steps else None, "uses": uses(opts, cfg),
+            "opts": opts, "dense": opts["density"] is None, "memory": out["memory"],
+            "compile_s": out["compile_s"], "runs": runs,
+            "trained": {"updates": updates, "images": updates * cfg["batch"],
+                        "epochs": cfg["epochs"], "train_images": cfg["train"],
+                        "batch": cfg["batch"],
+                        "seconds": {s: r["seconds"] for s, r in runs.items()}}}  # fmt: skip
+
+
+def pareto_front(rows: list[dict]) -> list[str]:
+    """The configurations no other beats (every row with no more compiled peak is less
+    accurate), in order of compiled peak."""
+    front, best = [], float("-inf")
+    for r in sorted(rows, key=lambda r: (r["compiled_peak_bytes"], -r["test_accuracy"])):
+        if r["test_accuracy"] > best:
+            front.append(r["config"])
+            best = r["test_accuracy"]
+    return front
+
+
+def budget_table(result: dict) -> list[str]:
+    """Markdown lines: per memory budget, the most accurate configuration that fits."""
+    rows = {r["config"]: r for r in result["rows"]}
+    front = [rows[name] for name in result["pareto_front"]]
+    lines = ["| budget (compiled peak) | use | test accuracy | spread (2 seeds) | s / update |",
+             "|---|---|---:|---:|---:|"]  # fmt: skip
+    for i, r in enumerate(front):
+        low = r["compiled_peak_bytes"] / MB
+        high = None if i + 1 == len(front) else front[i + 1]["compiled_peak_bytes"] / MB
+        budget = f"{low:.1f} MB or more" if high is None else f"{low:.1f} - {high:.1f} MB"
+        step = "" if r["step_s"] is None else f"{r['step_s']:.2f}"
+        lines.append(f"| {budget} | `{r['config']}`: {r['uses']} | {100 * r['test_accuracy']:.2f}% "
+                     f"| {100 * r['test_accuracy_spread']:.2f} | {step} |")  # fmt: skip
+    return lines
+
+
+def goal(rows: list[dict], combination: str) -> dict:
+    """Whether a dense configuration that fits in `combination`'s compiled peak is more
+    accurate than it by more than the seeds' spread (the larger of the two rows')."""
+    c = next(r for r in rows if r["config"] == combination)
+    fits = [r for r in rows if r["dense"] and r["compiled_peak_bytes"] <= c["compiled_peak_bytes"]]
+    spread = lambda r: max(r["test_accuracy_spread"], c["test_accuracy_spread"])  # noqa: E731
+    better = [r["config"] for r in fits if r["test_accuracy"] - c["test_accuracy"] > spread(r)]
+    return {"combination": combination, "compiled_peak_bytes": c["compiled_peak_bytes"],
+            "test_accuracy": c["test_accuracy"],
+            "dense_that_fit": {r["config"]: r["test_accuracy"] for r in fits},
+            "dense_better_by_more_than_spread": better, "met": not better}  # fmt: skip
+
+
+def run_frontier(cfg: dict, names: list[str], workers=None) -> dict:
+    load_before, t0 = os.getloadavg(), time.perf_counter()
+    workers = workers_per_core(len(names)) if workers is None else min(workers, len(names))
+    with tempfile.TemporaryDirectory(prefix="frontier_cache_") as cache:
+        specs = [{"frontier": True, "name": n, "opts": ALL_CONFIGS[n], "cfg": cfg, "label": n,
+                  "cache": cache} for n in names]  # fmt: skip
+        outs = run_workers(specs, workers)
+    rows = [_row(n, ALL_CONFIGS[n], cfg, out) for n, out in zip(names, outs, strict=True)]
+    result = {"config": cfg, "workers": workers, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+              "timing_note": "the 2 cores were shared with other work: compare step times "
+              "within one run only", "notes": NOTES, "rows": rows,
+              "run_seconds": time.perf_counter() - t0, "pareto_front": pareto_front(rows),
+              "goal": [goal(rows, c) for c in COMBINATIONS if c in names]}  # fmt: skip
+    result["budget_table"] = budget_table(result)
+    return result
+
+
+# ---------------------------------------------------------------------------------- plots
+
+
+def plot(result: dict, path: Path) -> None:
+    """The comparison's accuracy per epoch, or (`rows`) the frontier's accuracy against
+    compiled peak with its Pareto front."""
+    fig, ax = pyplot().subplots(figsize=(8, 5))
+    cfg = result["config"]
+    if "rows" not in result:
+        for c, (name, seeds) in enumerate(result["runs"].items()):
+            for s, (seed, r) in enumerate(seeds.items()):
+                style = {"color": f"C{c}", "linestyle": "-:"[s % 2], "marker": "o"}
+                epochs = range(1, len(r["test_accuracy"]) + 1)
+                ax.plot(epochs, r["test_accuracy"], label=f"{name}, seed {seed}", **style)
+        ax.set_xlabel(f"epoch ({cfg['train']:,} images, batch {cfg['batch']})")
+    else:
+        rows = {r["config"]: r for r in result["rows"]}
+        for r in rows.values():
+            peak, acc = r["compiled_peak_bytes"] / MB, 100 * r["test_accuracy"]
+            ax.plot(peak, acc, "o", color="C0" if r["dense"] else "C3")
+            ax.annotate(r["config"], (peak, acc), fontsize=6, xytext=(3, 3),
+                        textcoords="offset points")  # fmt: skip
+        front = [rows[n] for n in result["pareto_front"]]
+        ax.step([r["compiled_peak_bytes"] / MB for r in front],
+                [100 * r["test_accuracy"] for r in front], where="post", color="k",
+                label="Pareto front (blue: dense, red: DSR)")  # fmt: skip
+        ax.set_xscale("log")
+        ax.set_xlabel(f"compiled peak of the training step, MB (batch {cfg['batch']}, XLA:CPU)")
+    ax.set_ylabel(f"test accuracy ({cfg['test']:,} images)")
+    ax.set_title(f"Fashion-MNIST, WRN-{cfg['depth']}-{cfg['width']} family")
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    for flag in ("select-lr", "ablation", "sparse-variants", "timing-only", "frontier"):
+        p.add_argument(f"--{flag}", action="store_true", help="a run of the docstring")
+    p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and plot")
+    p.add_argument("--name", help="file name of the JSON and plot (default: the run's)")
+    p.add_argument("--precision", help="the combination's precision (default mixed_fp16)")
+    for field in ("depth", "width", "train", "test", "epochs", "batch"):
+        p.add_argument(f"--{field}", type=int, help=f"override the configuration's {field}")
+    p.add_argument("--seeds", type=int, nargs="+", help="override the configuration's seeds")
+    p.add_argument("--lr", type=float, help="override the configuration's learning rate")
+    p.add_argument("--lrs", type=float, nargs="+", help=f"--select-lr's rates {LR_CANDIDATES}")
+    p.add_argument("--configs", nargs="+", choices=list(ALL_CONFIGS), help="frontier rows")
+    p.add_argument("--workers", type=int, help="processes, one core each (1: all here)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker is not None:
+        return pinned_worker(args.worker, _train_spec)
+    if args.workers is not None and args.workers < 1:
+        p.error(f"--workers must be at least 1, got {args.workers}")
+    for rate in [r for r in [args.lr, *(args.lrs or [])] if r is not None]:
+        if not rate > 0:
+            p.error(f"learning rates must be positive, got {rate}")
+    cfg = dict((FRONTIER_QUICK if args.quick else FRONTIER) if args.frontier
+               else (QUALITY_QUICK if args.quick else QUALITY))  # fmt: skip
+    for field in ("depth", "width", "train", "test", "epochs", "batch", "seeds", "lr"):
+        if getattr(args, field) is not None:
+            cfg[field] = getattr(args, field)
+    if args.timing_only:
+        data = load_data({**cfg, "train": cfg["batch"], "test": cfg["batch"]})
+        result, name = {"config": cfg, "steps": time_steps(cfg, data)}, "paper_quality_timing"
+    elif args.select_lr:
+        result, name = select_lr(cfg, args.lrs or LR_CANDIDATES, args.workers), "paper_quality_lr"
+    elif args.ablation:
+        result, name = run_rows(cfg, ABLATIONS, args.workers), "paper_quality_ablation"
+    elif args.sparse_variants:
+        result = run_rows(cfg, SPARSE_VARIANTS, args.workers, held=True)
+        result["validation_seed"], name = VALIDATION_SEED, "paper_quality_sparse"
+    elif args.frontier:
+        names = args.configs or (QUICK_CONFIGS if args.quick else list(CONFIGS))
+        result, name = run_frontier(cfg, names, args.workers), "frontier"
+        print("\n".join(result["budget_table"]))
+    else:
+        result, name = run_quality(cfg, args.precision, args.workers), "paper_quality"
+        print(json.dumps(result["final_mean_accuracy"]), f"gap {result['gap_points']:.2f} points")
+    result["wall_seconds"] = time.perf_counter() - _START  # imports and data included
+    name = (args.name or name) + ("_quick" if args.quick else "")
+    write_json(name, result, args.out)
+    if "rows" in result or "final_mean_accuracy" in result:
+        plot(result, args.out / f"{name}.png")
+    print(f"wrote {args.out / name}.json in {result['wall_seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
