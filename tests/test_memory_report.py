@@ -295,7 +295,7 @@ def test_wrn_first_blocks_count_their_shared_activation_once():
     )
     act1 = [
         g for g in report.activations
-        if g.name == "act1" and g.scope.endswith("WideResNet/eqx_lowmem.nn._wrn.WideBlock")
+        if g.name == "act1" and g.scope.endswith("WideResNet/eqx_lowmem.nn.WideBlock")
     ]  # fmt: skip
     # The three first blocks (each with a 1x1 shortcut on act1): one act1 each, the size of
     # their inputs (16 channels at 8x8, 16 at 8x8, 32 at 4x4), not twice that.

@@ -123,7 +123,7 @@ def plan(
     Memory and time: nothing is allocated (with `measure=False`); a trace of every candidate
     and one compilation of each that can decide the answer (`prune`; on XLA:CPU a 16-bit
     candidate also needs its float32-compute twin for the GPU/TPU estimate): the guide's
-    transformer for an A100 took 48 s on two CPU cores (`benchmarks/memory.py`), compiling
+    transformer for an A100 took 48 s on two CPU cores (`benchmarks/results/memory.json`), compiling
     every one of its 32 candidates a few minutes; `progress` hears of each compile.
     `measure=True` builds each fitting model and runs `steps + 1` steps of it.
 
