@@ -148,6 +148,7 @@ def test_convolution_jvp_under_vmap_matches_eqx(getkey, stride, padding):
     assert tree_allclose(per, jax.jvp(lambda x: ref(params, x), (x,), (dx,)), atol=1e-5)
 
 
+@pytest.mark.slow  # 14 s: a WideResNet forward, backward and jvp
 def test_wide_resnet_jvp_agrees_with_its_gradient(getkey):
     model, state = eqx.nn.make_with_state(el.nn.WideResNet)(10, 1, 10, key=getkey(),
                                                           in_channels=1)  # fmt: skip

@@ -72,6 +72,7 @@ def test_the_norm_and_finite_check_cost_no_memory_on_a_64_block_stack():
     assert peak <= 1.01 * hand_peak, peak / hand_peak
 
 
+@pytest.mark.slow  # 11 s: two encoder steps compiled
 @pytest.mark.parametrize("precision", ["mixed_bf16"])
 def test_mixed_precision_without_remat_holds_no_second_16_bit_copy(precision):
     # A stack that recomputes nothing keeps every layer's 16-bit weights for its backward
