@@ -111,9 +111,7 @@ def test_full_remat_keeps_only_the_block_input(getkey):
 def test_without_remat_the_feed_forward_input_is_kept(getkey):
     kept = _kept(False, getkey)
     names = {r.name for r in kept}
-    assert {"ffn_in", "attn_in"} <= names
-    # GELU's backward keeps its slope, the size of ffn_hidden, in place of ffn_hidden.
-    assert (6, 24) in [r.shape for r in kept if r.name is None and r.source == "intermediate add"]
+    assert {"ffn_in", "ffn_hidden", "qkv" if False else "attn_in"} <= names
     assert el.memory._residuals.residual_bytes(kept) > 6 * 16 * 4 * 5
 
 
