@@ -112,7 +112,9 @@ def test_slack_and_index_dtypes(getkey):
     assert first.capacity == 96 and int(first.nnz()) == 64
     assert np.all(np.asarray(first.values)[64:] == 0) and np.all(first.indices[64:] == 128)
     assert sp._storage.index_dtype(127) == jnp.int8 and sp._storage.index_dtype(128) == jnp.int16
-    assert sp._storage.index_dtype(32767) == jnp.int16 and sp._storage.index_dtype(32768) == jnp.int32
+    assert (
+        sp._storage.index_dtype(32767) == jnp.int16 and sp._storage.index_dtype(32768) == jnp.int32
+    )
     assert sp.stats(sparse).index_bytes == 96 * 2 + 48 * 1
 
 
@@ -179,7 +181,9 @@ def test_bit_set_storage_of_stacked_layers_and_its_bytes(getkey):
     bits = sp.sparsify(enc, 0.3, key=key, slack=0.1, storage="bits")
     qkv = bits.blocks.qkv
     assert qkv.indices.shape == (3, qkv.size // 8) and qkv.positions().shape == (3, qkv.capacity)
-    for (_, a), (_, b) in zip(sp._convert.sparse_layers(kept), sp._convert.sparse_layers(bits), strict=True):
+    for (_, a), (_, b) in zip(
+        sp._convert.sparse_layers(kept), sp._convert.sparse_layers(bits), strict=True
+    ):
         np.testing.assert_array_equal(a.indices, b.positions())
     x = jr.normal(getkey(), (2, 5, 16))
     run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))

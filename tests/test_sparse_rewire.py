@@ -65,7 +65,9 @@ def _check_invariants(model, opt_state):
         assert np.all(np.asarray(layer.values, np.float32).reshape(-1)[empty] == 0)
     for moment in _moments(opt_state):
         for (_, layer), m in zip(
-            sp._convert.sparse_layers(model), [x for _, x in sp._convert.sparse_layers(moment)], strict=True
+            sp._convert.sparse_layers(model),
+            [x for _, x in sp._convert.sparse_layers(moment)],
+            strict=True,
         ):
             empty = np.asarray(layer.indices) >= layer.size
             assert np.all(np.asarray(m.values, np.float32)[empty] == 0)

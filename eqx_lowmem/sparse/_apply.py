@@ -10,9 +10,11 @@ are temporaries of one layer at a time, never residuals kept for the whole netwo
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array
 
 from ..nn._conv import (
@@ -22,13 +24,18 @@ from ..nn._conv import (
     conv_weight_grad,
     explicit_padding,
 )
-from ..nn._jvp import is_zero
 from ..nn._trace import batched_on_top
 from ._storage import _gather, _scatter, is_bitset
 
-
 # The dense operation of a layer over a batch `(n, *example)`, from its static description:
 # ("linear",) or ("conv", stride, padding, dilation, groups).
+
+
+def is_zero(t: Any) -> bool:
+    """Whether a cotangent given to a `symbolic_zeros=True` rule is a symbolic zero."""
+    return isinstance(t, SymbolicZero)
+
+
 def _batched_op(op: tuple, weight: Array, x: Array) -> Array:
     if op[0] == "linear":
         return x @ weight.T
