@@ -150,6 +150,20 @@ def test_the_chunked_loss_and_gradient_hold_a_tenth_of_the_naive_temporaries():
     assert _temp_bytes(small, tokens, "auto") == _temp_bytes(small, tokens, None)
 
 
+def test_the_heads_gradient_is_summed_in_place_not_formed_whole_each_step():
+    # The forward pass adds each step's part of the head's gradient into one buffer a
+    # vocabulary chunk at a time: no second head-sized (vocab, d) buffer beside it.
+    n, d, v = 256, 256, 4096
+    args = (jnp.ones((n, d)), jnp.ones((v, d)), jnp.zeros((n,), jnp.int32))
+
+    def mean(h, w, t):
+        return jnp.mean(chunked_cross_entropy(h, w, t, chunk=256))
+
+    grad = jax.jit(jax.value_and_grad(mean, argnums=(0, 1)))
+    temp = grad.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp < v * d * 4 // 2, temp  # the head is v * d * 4 bytes
+
+
 def test_the_step_trains_the_same_with_the_chunked_loss_fused_and_accumulated():
     import optax
 

@@ -109,7 +109,7 @@ def _chunked_ce_fwd(h, w, b, targets, weights, chunk):
         g = (jnp.exp(z - lse[:, None]) - onehot.astype(z.dtype)) * ws[:, None]  # float32
         gc = g.astype(h.dtype)
         dh = jnp.dot(gc, w.astype(h.dtype), preferred_element_type=jnp.float32)
-        dw = dw + jnp.dot(gc.T, hs, preferred_element_type=jnp.float32)
+        dw = _add_head_grad(dw, gc, hs, chunk)
         db = None if db is None else db + jnp.sum(g, axis=0)
         return (dw, db), (nll, dh, lse)
 
@@ -121,6 +121,19 @@ def _chunked_ce_fwd(h, w, b, targets, weights, chunk):
     (dw, db), (nll, dh, lse) = jax.lax.scan(body, init, xs)
     lse = _unstrided(lse)
     return _unstrided(nll), (h, w, b, targets, weights, lse, _unstrided(dh), dw, db)
+
+
+def _add_head_grad(dw: Array, g: Array, hs: Array, chunk: int) -> Array:
+    """`dw + g.T @ hs`, one vocabulary chunk of rows at a time, written in place: the
+    whole `(vocab, d_model)` product is never a buffer of its own beside `dw`."""
+
+    def body(i, dw):
+        start, _, _, _, fresh = _chunk_at(dw, None, i, chunk)
+        gc = jax.lax.dynamic_slice_in_dim(g, start, chunk, axis=1)
+        gc = jnp.where(fresh[None, :], gc, jnp.zeros((), gc.dtype))
+        return _add_rows(dw, jnp.dot(gc.T, hs, preferred_element_type=jnp.float32), start)
+
+    return jax.lax.fori_loop(0, _n_chunks(dw.shape[0], chunk), body, dw)
 
 
 def _chunked_ce_bwd(chunk, res, g_loss):
@@ -204,7 +217,8 @@ def chunked_cross_entropy(
 
     Time: differentiated, the forward pass also computes the gradients for a cotangent
     proportional to `weights` (the head's three matmuls, as the naive loss runs), kept as
-    one float32 head-sized gradient and one float32 row per token; the backward pass scales
+    one float32 head-sized gradient (summed into in place, a vocabulary chunk at a time)
+    and one float32 row per token; the backward pass scales
     them when its cotangent is `weights` times one number, which is what every weighted
     mean of the losses gives (the library's steps, `next_token_loss`). Any other cotangent
     is exact too: the backward pass then recomputes the logits one vocabulary chunk of
