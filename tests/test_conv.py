@@ -303,21 +303,104 @@ def test_a_gpu_program_runs_xla_own_convolutions(getkey):
         assert len(cpu) == 3 and set(cpu) == {CANONICAL_HLO}, cpu
 
 
-def test_this_jax_tells_when_vmap_is_innermost():
-    # The one reading of JAX's internals (eqx_lowmem.nn._trace): when they move it answers
-    # None and every layer takes its plain path (correct, but without the batch-level
-    # convolution or fused accumulation), so this test fails first.
-    from eqx_lowmem.nn._trace import batched_on_top
+@pytest.mark.parametrize("kind", ["conv", "sparse_conv", "sparse_linear"])
+def test_per_example_gradients_under_vmap_of_grad_equal_the_plain_layers(getkey, kind):
+    # vmap(grad(f)): differentiation reaches the layer before the vmap, so the layer's
+    # batch-level rule (whose weight gradient is summed over the batch) must not run.
+    dense = eqx.nn.Conv2d(3, 4, 3, stride=2, padding=1, key=getkey())
+    x = jr.normal(getkey(), (5, 3, 8, 8))
+    if kind == "sparse_linear":
+        dense = eqx.nn.Linear(12, 7, key=getkey())
+        x = jr.normal(getkey(), (5, 12))
+    layer = dense if kind == "conv" else sp.sparsify(dense, 0.5, key=getkey())
+    apply = conv2d if kind == "conv" else (lambda c, e: c(e))
+    plain = layer if kind == "conv" else sp.densify(layer)
 
-    seen = []
+    def loss(layer, e, apply):
+        return jnp.sum(jnp.sin(apply(layer, e)))
 
-    def record(x):
-        seen.append(batched_on_top({"x": x}))
-        return x
+    per_example = jax.vmap(eqx.filter_grad(loss), in_axes=(None, 0, None))
+    ours = per_example(layer, x, apply)
+    ref = per_example(plain, x, lambda c, e: c(e))
+    if kind != "conv":  # the dense weight's gradient at the sparse layer's indices
+        flat = ref.weight.reshape(5, -1)
+        ref = (flat[:, layer.indices], ref.bias)
+        ours = (ours.values, ours.bias)
+    assert tree_allclose(ours, ref, rtol=1e-5, atol=1e-6)
+    # and grad of vmap: their sum
+    total = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(lambda e: loss(m, e, apply))(x)))(layer)
+    summed = jax.tree.map(lambda a: a.sum(0), ours)
+    got = (total.weight, total.bias) if kind == "conv" else (total.values, total.bias)
+    if kind == "conv":
+        summed = (summed.weight, summed.bias)
+    assert tree_allclose(got, summed, rtol=1e-5, atol=1e-5)
 
-    jax.vmap(record)(jnp.ones(3))  # vmap innermost
-    jax.grad(lambda x: jnp.sum(jax.vmap(record)(x)))(jnp.ones(3))  # grad of vmap
-    jax.vmap(jax.grad(lambda x: jnp.sum(record(x))))(jnp.ones((3, 2)))  # grad inside vmap
-    jax.jit(record)(jnp.ones(3))
-    record(jnp.ones(3))
-    assert seen == [True, True, False, False, False], seen
+
+def test_a_jit_or_checkpoint_between_vmap_and_the_layer_keeps_the_batched_rule(getkey):
+    # The batch-level convolution is the vmap's own rule: a jit or a checkpoint traced
+    # inside the vmap (its body batched afterwards) still gets one canonical convolution
+    # over the batch, forward and backward, in a loop body (micro-batches) too.
+    layer = eqx.nn.Conv2d(4, 6, 3, padding=1, use_bias=False, key=getkey())
+    xs = jr.normal(getkey(), (2, 3, 4, 8, 8))
+
+    def loss(layer, xs, wrap, apply):
+        def body(total, x):
+            return total + jnp.sum(jnp.sin(jax.vmap(wrap(lambda e: apply(layer, e)))(x))), None
+
+        return jax.lax.scan(body, 0.0, xs)[0]
+
+    for wrap in (jax.jit, jax.checkpoint):
+        grad = jax.jit(jax.grad(loss), static_argnums=(2, 3))
+        text = grad.lower(layer, xs, wrap, conv2d).compile().as_text()
+        labels = _conv_labels(text)
+        assert len(labels) == 2 and set(labels) == {CANONICAL}, (wrap, labels)
+        ref = grad(layer, xs, wrap, lambda c, e: c(e))
+        assert tree_allclose(grad(layer, xs, wrap, conv2d), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_rule_is_the_vmaps_rule_and_differentiation_sees_the_plain_function():
+    from eqx_lowmem.nn._trace import vmap_rule
+
+    calls = []
+
+    def plain(w, xs):
+        return {"y": jnp.sin(w * xs[0]) + xs[1]}
+
+    def rule(size, in_batched, w, xs):
+        calls.append((size, in_batched))
+        return {"y": jnp.sin(w[None] * xs[0]) + xs[1]}, {"y": True}
+
+    def f(w, x):
+        return jnp.sum(vmap_rule(plain, rule, w, (x, 1.0))["y"])
+
+    w, x = jnp.array([0.5, -1.0]), jr.normal(jr.PRNGKey(0), (4, 2))
+    wx = w[None] * x
+    ref = jnp.sum(jnp.sin(wx) + 1.0, axis=1)
+    cases = {
+        "vmap": lambda: jax.vmap(f, (None, 0))(w, x),
+        "grad of vmap": lambda: jax.grad(lambda w: jax.vmap(f, (None, 0))(w, x).sum())(w),
+        "vmap of jit": lambda: jax.vmap(jax.jit(f), (None, 0))(w, x),
+        "jvp of vmap": lambda: jax.jvp(lambda w: jax.vmap(f, (None, 0))(w, x), (w,), (w,))[1],
+        "vmap of grad": lambda: jax.vmap(jax.grad(f), (None, 0))(w, x),
+        "no vmap": lambda: f(w, x[0]),
+    }
+    expected = {
+        "vmap": ref,
+        "grad of vmap": jnp.sum(x * jnp.cos(wx), axis=0),
+        "vmap of jit": ref,
+        "jvp of vmap": jnp.sum(wx * jnp.cos(wx), axis=1),
+        "vmap of grad": x * jnp.cos(wx),
+        "no vmap": ref[0],
+    }
+    for name, run in cases.items():
+        calls.clear()
+        assert tree_allclose(run(), expected[name], rtol=1e-5, atol=1e-6), name
+        # The rule runs where a vmap reaches the call first, never under differentiation.
+        rules = [] if name in ("vmap of grad", "no vmap") else [(4, (False, (True, False)))]
+        assert calls == rules, (name, calls)
+
+    def wrong(size, in_batched, w, xs):
+        return [jnp.sin(w[None] * xs[0])], True
+
+    with pytest.raises(ValueError, match="the rule returned"):
+        jax.vmap(lambda x: vmap_rule(plain, wrong, w, (x, 1.0)))(x)

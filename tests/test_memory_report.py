@@ -228,6 +228,37 @@ def test_jaxpr_cost_counts_every_scan_iteration_and_matches_xla_without_loops():
     assert mine.flops == pytest.approx(xla["flops"], rel=0.05)
 
 
+def test_jaxpr_cost_leaves_out_work_no_output_needs():
+    # XLA drops it too: a dead product in a scan body, a carry that only feeds itself, a
+    # jit's unused output, and the primal a custom backward pass recomputes and discards.
+    w = jnp.ones((3, 16, 16))
+    x = jnp.ones((4, 16))
+    one = 2 * 4 * 16 * 16  # the flops of one (4, 16) @ (16, 16) product
+
+    def body(c, wi):
+        h, junk = c
+        dead = h @ wi @ wi  # noqa: F841
+        return (h @ wi, junk @ wi), None
+
+    def scanned(x):
+        (h, _), _ = jax.lax.scan(body, (x, x), w)
+        return jax.jit(lambda h: (h @ w[0], h @ w[1] @ w[2]))(h)[0]
+
+    @jax.custom_vjp
+    def f(x):
+        return x @ w[0]
+
+    def bwd(x, g):
+        _, vjp = jax.vjp(lambda x: x @ w[0], x)  # its primal output is discarded
+        return vjp(g)
+
+    f.defvjp(lambda x: (f(x), x), bwd)
+    cost = el.memory._cost.jaxpr_cost
+    assert cost(jax.make_jaxpr(scanned)(x)).matmul_flops == 4 * one
+    step = jax.value_and_grad(lambda x: f(x).sum())
+    assert cost(jax.make_jaxpr(step)(x)).matmul_flops == 2 * one
+
+
 def test_saved_residuals_take_shapes_including_integer_inputs():
     lm = eqx.filter_eval_shape(lambda: el.nn.CausalLM(50, 12, 2, 16, 2, 32, key=jr.PRNGKey(0)))
     tokens = jax.ShapeDtypeStruct((3, 12), jnp.int32)

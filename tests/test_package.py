@@ -2,6 +2,7 @@
 works without its optional packages, and stays in files and functions a reader can hold."""
 
 import ast
+import re
 import shutil
 import site
 import subprocess
@@ -138,3 +139,30 @@ def test_the_size_check_counts_code_not_docstrings():
     assert _code_lines(ast.parse(source).body[0]) == 2
     source = "def g():\n    return 1\n"
     assert _code_lines(ast.parse(source).body[0]) == 1
+
+
+_PRIVATE_JAX = re.compile(r"\bjax\s*\.\s*_src\b|[\"']jax\._src")
+
+
+def _private_jax_uses(text: str) -> list[int]:
+    """The lines of `text` that reach into JAX's private `jax._src` (an import, an
+    attribute, a module name in a string), which JAX may move in any release."""
+    return [n for n, line in enumerate(text.splitlines(), 1) if _PRIVATE_JAX.search(line)]
+
+
+def test_the_package_uses_no_private_jax_internals():
+    files = sorted((ROOT / "eqx_lowmem").rglob("*.py"))
+    assert len(files) > 50  # the whole package, not an empty glob
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in files
+        for n in _private_jax_uses(path.read_text())
+    ]
+    assert not found, f"jax._src (JAX's private internals) used at {found}"
+
+
+def test_the_private_jax_check_finds_each_form():
+    for line in ("from jax._src import core", "import jax._src.core as c", "jax._src.core.x",
+                 "importlib.import_module('jax._src.core')"):  # fmt: skip
+        assert _private_jax_uses(f"x = 1\n{line}\n") == [2], line
+    assert _private_jax_uses("from jax.extend import core\noffload_src = 1\n") == []

@@ -185,17 +185,21 @@ def _is_16bit(aval: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
-def _eqn_cost(eqn) -> Cost:
+def _eqn_cost(eqn, outs: tuple[bool, ...]) -> Cost:
+    """The cost of `eqn` where only its outputs `outs` are used."""
     prim = eqn.primitive.name
     params = eqn.params
+    _, body_used = _inner_used(eqn, outs)
     if prim == "scan":
-        return _jaxpr_cost(params["jaxpr"]).scale(int(params["length"]))
+        return _jaxpr_cost(params["jaxpr"], body_used).scale(int(params["length"]))
     if prim == "while":
         body = _jaxpr_cost(params["body_jaxpr"]) + _jaxpr_cost(params["cond_jaxpr"])
         return body + Cost(unknown_loops=1)
     if prim == "cond":
-        branches = [_jaxpr_cost(b) for b in params["branches"]]
+        branches = [_jaxpr_cost(b, body_used) for b in params["branches"]]
         return max(branches, key=lambda c: c.flops)
+    if body_used is not None:  # a call: the cost of what its used outputs need
+        return _jaxpr_cost(params[_CALLS[prim]], body_used)
     inner = list(jex_core.jaxprs_in_params(params))
     if inner:
         # Calls, checkpoints, custom derivatives, shard_map: the cost of what they run.
@@ -238,27 +242,101 @@ def jaxpr_cost(jaxpr: Any) -> Cost:
             of `jax.jit(f).trace(*args)`.
     """
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    return _jaxpr_cost(_dce(jaxpr))
+    return _jaxpr_cost(jaxpr)
 
 
-def _dce(jaxpr: Any) -> Any:
-    """`jaxpr` without the equations no output needs (XLA drops them too): a traced
-    backward pass may compute a primal output it then discards (`jax.vjp` inside a custom
-    backward loop, as fused accumulation's), which would otherwise count as work."""
-    try:
-        from jax._src.interpreters import partial_eval as pe
-    except ImportError:  # pragma: no cover - a JAX without it: count every equation
-        return jaxpr
-    return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+# Effects that do not keep an unused equation alive (JAX's own dead-code elimination drops
+# them too): reading a reference, naming a vmap/shard_map axis, a mutable array's internals.
+_DROPPABLE_EFFECTS = {"ReadEffect", "NamedAxisEffect", "InternalMutableArrayEffect"}
+# Calls whose outputs are their inner jaxpr's outputs, one for one: the parameter naming it.
+_CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+    "shard_map": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+}
 
 
-def _jaxpr_cost(jaxpr: Any) -> Cost:
+def _live(jaxpr: Any, used: tuple[bool, ...]) -> tuple[list, list[bool]]:
+    """The equations of `jaxpr` that its `used` outputs need (XLA drops the others too),
+    each with which of its own outputs are used, and which inputs are used.
+
+    A traced backward pass may compute a primal output it then discards (`jax.vjp` inside
+    a custom backward loop, as fused accumulation's), which would otherwise count as work.
+    Walks the equations backwards, keeping those with a used output or an effect; calls,
+    scans and conds pass the question on to their bodies (JAX's own dead-code elimination,
+    `pe.dce_jaxpr`, in the public API's terms)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    live = {v for v, u in zip(jaxpr.outvars, used, strict=True) if u and _is_var(v)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        outs = tuple(v in live for v in eqn.outvars)
+        effects = {type(e).__name__ for e in eqn.effects} - _DROPPABLE_EFFECTS
+        if not any(outs) and not effects:
+            continue
+        ins, _ = _inner_used(eqn, outs)
+        live.update(v for v, u in zip(eqn.invars, ins, strict=True) if u and _is_var(v))
+        kept.append((eqn, outs))
+    kept.reverse()
+    return kept, [v in live for v in jaxpr.invars]
+
+
+def _is_var(v: Any) -> bool:
+    return not isinstance(v, jex_core.Literal)
+
+
+def _inner_used(eqn: Any, outs: tuple[bool, ...]) -> tuple[list[bool], tuple[bool, ...] | None]:
+    """Which inputs of `eqn` its used outputs `outs` need, and which outputs of its body
+    (a call's, a scan's or a cond's branches') are used: None where the body counts whole."""
+    prim, params, n = eqn.primitive.name, eqn.params, len(eqn.invars)
+    if prim in _CALLS and params.get(_CALLS[prim]) is not None:
+        _, ins = _live(params[_CALLS[prim]], outs)
+        if prim.startswith("custom_"):
+            ins = [True] * n  # their derivative rules may read any input
+        return ins, outs
+    if prim == "scan":
+        return _scan_used(eqn, outs)
+    if prim == "cond":
+        ins = [False] * (n - 1)
+        for branch in params["branches"]:
+            _, b = _live(branch, outs)
+            ins = [x or y for x, y in zip(ins, b, strict=True)]
+        return [True, *ins], outs
+    return [True] * n, None
+
+
+def _scan_used(eqn: Any, outs: tuple[bool, ...]) -> tuple[list[bool], tuple[bool, ...]]:
+    """A scan's used inputs and body outputs: a carry is used if its next value is, until
+    nothing changes."""
+    consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    used_carry, used_ys = list(outs[:carry]), list(outs[carry:])
+    for _ in range(carry + 1):
+        body_used = (*used_carry, *used_ys)
+        _, ins = _live(eqn.params["jaxpr"], body_used)
+        ins_carry = ins[consts : consts + carry]
+        ins[consts : consts + carry] = used_carry  # the carry a used output reads is kept
+        if all(c or not i for c, i in zip(used_carry, ins_carry, strict=True)):
+            return ins, body_used
+        used_carry = [c or i for c, i in zip(used_carry, ins_carry, strict=True)]
+    raise AssertionError("a scan's carries reached no fixed point")  # pragma: no cover
+
+
+def _jaxpr_cost(jaxpr: Any, used: tuple[bool, ...] | None = None) -> Cost:
+    """The cost of the equations of `jaxpr` that its `used` outputs (all where None) need."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    if used is None:
+        used = (True,) * len(jaxpr.outvars)
+    kept, _ = _live(jaxpr, used)
     total = Cost()
     zeros: set[Any] = set()  # variables known to be all zeros (instantiated zero gradients)
-    for eqn in jaxpr.eqns:
+    for eqn, outs in kept:
         prim = eqn.primitive.name
-        ins = [v for v in eqn.invars if not isinstance(v, jex_core.Literal)]
+        ins = [v for v in eqn.invars if _is_var(v)]
         if prim == "broadcast_in_dim" and _is_zero_literal(eqn.invars[0]):
             zeros.update(eqn.outvars)
         elif prim in ("convert_element_type", "mul") and any(v in zeros for v in ins):
@@ -266,7 +344,7 @@ def _jaxpr_cost(jaxpr: Any) -> Cost:
             continue
         elif prim == "add" and any(v in zeros for v in ins):
             continue  # x + 0: XLA drops it
-        total = total + _eqn_cost(eqn)
+        total = total + _eqn_cost(eqn, outs)
     return total
 
 

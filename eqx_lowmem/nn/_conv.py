@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._trace import batched_on_top
+from ._trace import vmap_rule
 
 # (window strides, explicit (low, high) padding per spatial axis, kernel dilation)
 Conv = tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...]]
@@ -205,14 +205,9 @@ def batch_conv(conv: Conv) -> Callable[[Array, Array], Array]:
 
 
 @functools.cache
-def _vmappable(conv: Conv) -> Callable[[Array, Array], Array]:
-    """One example `f(w, x)`, whose `jax.vmap` over `x` is one `batch_conv` call."""
+def _batch_rule(conv: Conv) -> Callable:
+    """`jax.vmap` of one example's convolution: one `batch_conv` call over the batch."""
 
-    @jax.custom_batching.custom_vmap
-    def f(w, x):
-        return batch_conv(conv)(w, x[None])[0]
-
-    @f.def_vmap
     def rule(axis_size, in_batched, w, x):
         w_batched, x_batched = in_batched
         if w_batched:  # batched kernels (an ensemble): JAX's own convolution per example
@@ -222,7 +217,7 @@ def _vmappable(conv: Conv) -> Callable[[Array, Array], Array]:
             x = jnp.broadcast_to(x, (axis_size, *x.shape))
         return batch_conv(conv)(w, x), True
 
-    return f
+    return rule
 
 
 def _plain(conv: Conv, w: Array, x: Array) -> Array:
@@ -243,9 +238,11 @@ def _fast(layer: Any) -> bool:
 
 def conv2d(layer: Any, x: Array) -> Array:
     """`layer(x)` for one example `x` `(c_in, h, w)`: an `eqx.nn.Conv2d` (ungrouped, zero
-    padding) under `jax.vmap` runs as one canonical batched convolution (see the module);
-    any other layer, or no vmap, calls `layer(x)`. Same numbers either way."""
-    if not _fast(layer) or not batched_on_top((layer.weight, x)):
+    padding) under `jax.vmap` runs as one canonical batched convolution (see the module),
+    the vmap's own rule (`eqx_lowmem.nn._trace.vmap_rule`); without a vmap, or where
+    differentiation comes first (`vmap(grad(f))`), it is the layer's own convolution. Any
+    other layer calls `layer(x)`. Same numbers either way."""
+    if not _fast(layer):
         return layer(x)
     conv = (
         tuple(layer.stride),
@@ -253,7 +250,7 @@ def conv2d(layer: Any, x: Array) -> Array:
                          layer.dilation),
         tuple(layer.dilation),
     )  # fmt: skip
-    y = _vmappable(conv)(layer.weight, x)
+    y = vmap_rule(functools.partial(_plain, conv), _batch_rule(conv), layer.weight, x)
     if layer.use_bias:
         y = y + layer.bias
     return y

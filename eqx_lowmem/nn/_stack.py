@@ -15,7 +15,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from ._fuse import active_fusion, fusion_candidate
 from ._layers import active_hook, exact_hook, prepare_layer
 from ._remat import Remat, RematArg, module_remat_names, remat_policy, resolve_remat
-from ._trace import batched_on_top
+from ._trace import vmap_rule
 
 
 class _Batch(NamedTuple):
@@ -201,61 +201,47 @@ class Stack(eqx.Module):
             why = "a stateful stack is fused only through stack.batched(x, states, ...)"
             fusion.decline([leaves[n] for n in floats], why)
             return None
-        batched = batched_on_top(x)
-        if batched is None:
-            why = "this JAX does not tell whether jax.vmap is innermost (eqx_lowmem.nn._trace)"
-            fusion.decline([leaves[n] for n in floats], why)
-            return None
-        if not batched:
-            # One example, no vmap: the fused loop over a batch of one.
-            keys = None if key is None else key[None]
-            y, _ = run(jax.tree.map(lambda a: a[None], x), None, keys, _Batch(None))
-            return jax.tree.map(lambda a: a[0], y), None
-        return self._fused_under_vmap(run, params, static, x, key), None
+        return self._fused_per_example(params, static, floats, fusion, slots, x, key), None
 
-    def _fused_under_vmap(self, run, params, static, x, key):
-        """A per-example call under `jax.vmap`: the fused loop must see the batch (its
-        backward loop adds the batch's gradient into the accumulator once), so a
-        `custom_vmap` rule receives it and runs the loop with the vmap inside each block."""
-        from jax.custom_batching import custom_vmap
-
+    def _fused_per_example(self, params, static, floats, fusion, slots, x, key):
+        """A per-example call: the fused loop over a batch of one, or under `jax.vmap` over
+        the whole batch (its backward loop adds the batch's gradient into the accumulator
+        once), which `vmap_rule` hands the vmap's batch. The accumulator is an argument:
+        `vmap_rule`'s function closes over no array."""
         p_leaves, p_def = jax.tree.flatten(params)
         x_def = jax.tree.structure(x)
         keys = () if key is None else (key,)
 
-        def plain(p_leaves, x_leaves, keys):
-            # Per example, unfused: what the call computes (its shapes, and the fallback).
-            p = jax.tree.unflatten(p_def, p_leaves)
-            h = jax.tree.unflatten(x_def, x_leaves)
+        def run(p_leaves, acc, x_leaves, keys):  # `x_leaves` and `keys` with a batch axis
+            p, h = jax.tree.unflatten(p_def, p_leaves), jax.tree.unflatten(x_def, x_leaves)
             k = keys[0] if keys else None
-            y, _ = self._run_blocks(p, static, h, None, k, 0, None)
+            y, _ = self._fused(p, static, floats, fusion, slots, h, None, k, _Batch(None), acc)
             return jax.tree.leaves(y)
 
-        per_example = custom_vmap(plain)
+        def one(p_leaves, acc, x_leaves, keys):
+            y = run(p_leaves, acc, [a[None] for a in x_leaves], tuple(k[None] for k in keys))
+            return [a[0] for a in y]
 
-        @per_example.def_vmap
-        def rule(axis_size, in_batched, p_leaves, x_leaves, keys):
-            p_in, x_in, k_in = in_batched
-            if any(p_in):
-                # The parameters themselves vary over this vmap (an ensemble): unfused.
-                axes = ([0 if b else None for b in p_in], [0 if b else None for b in x_in],
-                        tuple(0 if b else None for b in k_in))  # fmt: skip
-                y = jax.vmap(plain, in_axes=axes)(p_leaves, x_leaves, keys)
-                return y, [True] * len(y)
+        def rule(axis_size, in_batched, p_leaves, acc, x_leaves, keys):
+            p_in, acc_in, x_in, k_in = in_batched
+            if any(p_in) or any(acc_in):  # pragma: no cover - see the message
+                raise ValueError(
+                    "a fused stack's parameters vary over a jax.vmap: the step claims only "
+                    "its own parameter arrays for fusion, never arrays a vmap batches"
+                )
 
             def batched(a, b):
                 return a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
 
             xb = [batched(a, b) for a, b in zip(x_leaves, x_in, strict=True)]
-            kb = batched(keys[0], k_in[0]) if keys else None
-            y, _ = run(jax.tree.unflatten(x_def, xb), None, kb, _Batch(None))
-            y_leaves = jax.tree.leaves(y)
-            return y_leaves, [True] * len(y_leaves)
+            kb = tuple(batched(k, b) for k, b in zip(keys, k_in, strict=True))
+            return run(p_leaves, acc, xb, kb), True
 
-        y_leaves = per_example(p_leaves, jax.tree.leaves(x), keys)
+        acc = fusion.accumulators(slots)
+        y_leaves = vmap_rule(one, rule, p_leaves, acc, jax.tree.leaves(x), keys)
         return jax.tree.unflatten(x_def, y_leaves)
 
-    def _fused(self, params, static, floats, fusion, slots, x, state, key, batch):
+    def _fused(self, params, static, floats, fusion, slots, x, state, key, batch, acc=None):
         """Forward: a scan keeping each unit's input, a unit being one block (`segment`
         None) or one segment of `segment` blocks (a shorter last one after the loop).
         Backward: a reverse scan that recomputes one unit at a time and folds its
@@ -266,7 +252,7 @@ class Stack(eqx.Module):
         others = [n for n in range(len(leaves)) if n not in chosen]
         pf = [leaves[n] for n in floats]
         po = [leaves[n] for n in others]
-        acc = fusion.accumulators(slots)
+        acc = fusion.accumulators(slots) if acc is None else acc
         fold = fusion.fold
         units = _Units.of(self.n_layers, self.segment)
         seg, n_full, rest, start = units.seg, units.n_full, units.rest, units.start

@@ -24,7 +24,7 @@ from ..nn._conv import (
     conv_weight_grad,
     explicit_padding,
 )
-from ..nn._trace import batched_on_top
+from ..nn._trace import vmap_rule
 from ._storage import _gather, _scatter, is_bitset
 
 # The dense operation of a layer over a batch `(n, *example)`, from its static description:
@@ -152,17 +152,12 @@ def _batch_vjp(op: tuple, shape: tuple[int, ...]) -> Callable:
 
 
 @functools.cache
-def _vmappable(op: tuple, shape: tuple[int, ...], rank: int) -> Callable:
-    """The layer on inputs with any leading axes `(*lead, *example)` (`rank` = the example's
-    rank), whose `jax.vmap` folds the new axis into the batch of one matmul/convolution
-    instead of vmapping a backward pass (which would build one dense weight gradient per
+def _batch_rule(op: tuple, shape: tuple[int, ...], rank: int) -> Callable:
+    """`jax.vmap` of the layer on inputs with any leading axes `(*lead, *example)` (`rank`
+    = the example's rank): the new axis folded into the batch of one matmul/convolution
+    instead of a vmapped backward pass (which would build one dense weight gradient per
     example)."""
 
-    @jax.custom_batching.custom_vmap
-    def f(values, indices, x):
-        return _dispatch(op, shape, rank, values, indices, x)
-
-    @f.def_vmap
     def rule(axis_size, in_batched, values, indices, x):
         values_b, indices_b, x_b = in_batched
         if values_b or indices_b:
@@ -174,7 +169,7 @@ def _vmappable(op: tuple, shape: tuple[int, ...], rank: int) -> Callable:
             x = jnp.broadcast_to(x, (axis_size, *x.shape))
         return _dispatch(op, shape, rank, values, indices, x), True
 
-    return f
+    return rule
 
 
 def _leading_one(op, shape, rank, values, indices, x):
@@ -185,10 +180,13 @@ def _leading_one(op, shape, rank, values, indices, x):
 
 
 def _dispatch(op, shape, rank, values, indices, x):
-    """`x` with leading axes: under a further `vmap` defer to `_vmappable`, else one
-    batched call of `_batch_vjp`."""
-    if batched_on_top((values, indices, x)):
-        return _vmappable(op, shape, rank)(values, indices, x)
+    """`x` with leading axes: one batched call of `_batch_vjp` (a further `vmap` folds its
+    axis in too, `_batch_rule`)."""
+    plain = functools.partial(_leading, op, shape, rank)
+    return vmap_rule(plain, _batch_rule(op, shape, rank), values, indices, x)
+
+
+def _leading(op, shape, rank, values, indices, x):
     lead = x.shape[: x.ndim - rank]
     flat = x.reshape(-1, *x.shape[x.ndim - rank :])
     out = _batch_vjp(op, shape)(values, indices, flat)
@@ -202,7 +200,6 @@ def _apply(op: tuple, shape: tuple[int, ...], values: Array, indices: Array, x: 
     with a hand-written backward pass runs for the whole batch: the dense weight is rebuilt
     once in the forward and once in the backward pass, after the output gradient arrives,
     and the weight gradient is one matmul gathered at the indices. Elsewhere (no vmap,
-    `vmap` of `grad`, a `lax.scan` body vmapped later) the checkpointed per-example form."""
-    if batched_on_top((values, indices, x)):
-        return _vmappable(op, shape, x.ndim)(values, indices, x)
-    return _one(op, shape, values, indices, x)
+    `vmap` of `grad`) the checkpointed per-example form (`eqx_lowmem.nn._trace`)."""
+    plain = functools.partial(_one, op, shape)
+    return vmap_rule(plain, _batch_rule(op, shape, x.ndim), values, indices, x)
