@@ -12,6 +12,10 @@ Each row compiles a training step on abstract shapes and records `memory_analysi
   whole and in k micro-batches.
 - `shard/*`: a 4-block encoder with Adam, replicated against FSDP over 2, 4 and 8 host
   devices (in a worker process started with 8 of them).
+- `sparse/*`: sparse storage (issue 11) on an MLP of three 1024x1024 layers and a 10-way
+  head, batch 128, Adam, 30% density: ours (indices or a bit set, with DSR or not) against
+  dense, jaxpruner's masked dense weight and `jax.experimental.sparse`'s BCOO; parameters
+  plus Adam's state and the step's peak (`speed.py`'s `sparse/*` rows time the same steps).
 - `frontier/*`: each configuration of `quality.py --frontier`: its training step at batch
   100 on XLA:CPU and for an H100.
 - `paper/*`: Sohoni et al. (2019)'s tables, each row a `memory_report` of the real step on
@@ -31,6 +35,9 @@ import json
 import os
 import sys
 from pathlib import Path
+
+import equinox as eqx
+import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
@@ -89,10 +96,25 @@ PAPER_LM = {
     "transformer_micro250": ("float32", False, "per_sequence", "float32"),
     "transformer_fp16_checkpoint_micro250": ("half_fp16", True, "per_sequence", "float16"),
 }
+# Sparse storage: name -> (label, storage, DSR's period). "rewired": ours after 30 DSR
+# rewirings on other batches (training's steady state: a timed run never reaches step 100,
+# and a rewired layout is not the one `sparsify` makes); "masked": jaxpruner's way (dense
+# weight and Adam state, a uint8 mask); "bcoo": `jax.experimental.sparse` BCOO weights.
+SPARSE = {
+    "dense": ("dense", None, None),
+    "masked": ("masked dense (jaxpruner)", "masked", None),
+    "ours": ("ours", "indices", None),
+    "ours_dsr1": ("ours + DSR every step", "indices", 1),
+    "ours_dsr100": ("ours + DSR every 100 steps", "indices", 100),
+    "bits": ("ours, positions as a bit set", "bits", None),
+    "bits_dsr100": ("ours, positions as a bit set + DSR every 100 steps", "bits", 100),
+    "bcoo": ("BCOO", "bcoo", None),
+    "rewired_dsr100": ("ours + DSR every 100 steps, after 30 rewirings", "rewired", 100),
+}  # fmt: skip
+SPARSE_MLP = {"width": 1024, "layers": 3, "batch": 128, "density": 0.3, "slack": 0.1}
 
 
 def _shapes(cfg: dict, dtype=None) -> tuple:
-    import jax
     import jax.numpy as jnp
 
     x = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"], cfg["d_model"]), dtype or jnp.float32)
@@ -101,7 +123,6 @@ def _shapes(cfg: dict, dtype=None) -> tuple:
 
 def guide_row(cfg: dict, opts: dict) -> dict:
     """The compiled memory of the guide's step (`make_step`, or plain Equinox's)."""
-    import equinox as eqx
     import jax.numpy as jnp
     import jax.random as jr
     import optax
@@ -124,8 +145,6 @@ def guide_row(cfg: dict, opts: dict) -> dict:
 
 def precision_row(cfg: dict, preset: str) -> dict:
     """What the backward pass keeps in `preset` (traced), and parameters + Adam's state."""
-    import equinox as eqx
-    import jax
     import jax.numpy as jnp
     import jax.random as jr
     import optax
@@ -160,7 +179,6 @@ def accumulate_row(cfg: dict, k: int) -> dict:
 
 def shard_rows(cfg: dict) -> dict:
     """Replicated against FSDP over 2, 4 and 8 devices: per-device compiled bytes."""
-    import jax
     import jax.numpy as jnp
     import jax.random as jr
     import numpy as np
@@ -184,6 +202,94 @@ def shard_rows(cfg: dict) -> dict:
             row[shard] = compiled_memory(step.lower(state, batch).compile())
         out[f"shard/{n}"] = row
     return out
+
+
+class MaskedLinear(eqx.Module):
+    """jaxpruner's way: a dense weight and a uint8 mask; the forward uses weight * mask."""
+
+    weight: jax.Array
+    bias: jax.Array
+    mask: jax.Array
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def __call__(self, x, *, key=None):
+        return (self.weight * self.mask.astype(self.weight.dtype)) @ x + self.bias
+
+
+class BCOOLinear(eqx.Module):
+    """`jax.experimental.sparse` BCOO weight: trainable data, integer indices."""
+
+    data: jax.Array
+    indices: jax.Array
+    bias: jax.Array
+    shape: tuple[int, int] = eqx.field(static=True)
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    def __call__(self, x, *, key=None):
+        from jax.experimental import sparse
+
+        return sparse.BCOO((self.data, self.indices), shape=self.shape) @ x + self.bias
+
+
+def sparse_mlp(name: str, cfg: dict) -> tuple:
+    """`SPARSE[name]`'s model of the MLP at `cfg`'s size, a batch `(x, y)` and its step
+    (cross-entropy, Adam; DSR after each update where the row says)."""
+    import jax.numpy as jnp
+    import jax.random as jr
+    import numpy as np
+    import optax
+
+    import eqx_lowmem as el
+
+    _, storage, period = SPARSE[name]
+    dense = el.nn.mlp([cfg["width"]] * (cfg["layers"] + 1) + [10], key=jr.PRNGKey(0))
+    x = jr.normal(jr.PRNGKey(2), (cfg["batch"], cfg["width"]))
+    y = jr.randint(jr.PRNGKey(3), (cfg["batch"],), 0, 10)
+
+    def step(period):
+        hook = None if period is None else el.sparse.dsr(period=period)
+        return el.train.make_step(el.train.cross_entropy, optax.adam(1e-3), after_update=hook)
+
+    if storage is None:
+        return dense, (x, y), step(None)
+    model = el.sparse.sparsify(dense, cfg["density"], key=jr.PRNGKey(1), slack=cfg["slack"],
+                               storage="bits" if storage == "bits" else "indices")  # fmt: skip
+    if storage in ("masked", "bcoo"):  # the same positions, stored their way
+        layers = []
+        for d, s in zip(dense.layers, model.layers, strict=True):
+            keep = np.asarray(el.sparse.densify(s).weight != 0)
+            rows, cols = np.nonzero(keep)
+            idx = jnp.asarray(np.stack([rows, cols], 1), jnp.int32)
+            masked = MaskedLinear(d.weight, d.bias, jnp.asarray(keep, jnp.uint8))
+            bcoo = BCOOLinear(d.weight[rows, cols], idx, d.bias, keep.shape)
+            layers.append(masked if storage == "masked" else bcoo)
+        model = el.nn.MLP(layers=tuple(layers), activation=dense.activation)
+    if storage == "rewired":  # on other batches: a model that learnt the timed one is not
+        rewire = step(1)  # training's steady state (and its zero gradients are denormal)
+        state = rewire.init(model, key=jr.PRNGKey(5))
+        for i in range(30):
+            kx, ky = jr.split(jr.PRNGKey(6 + i))
+            other = jr.normal(kx, x.shape), jr.randint(ky, y.shape, 0, 10)
+            state, _ = rewire(state, other)
+        model = state.model
+    return model, (x, y), step(period)
+
+
+def sparse_row(cfg: dict, name: str) -> dict:
+    """A sparse-storage step's compiled memory and its parameters plus Adam's state."""
+    import jax.random as jr
+
+    model, batch, step = sparse_mlp(name, cfg)
+    state = step.init(model, key=jr.PRNGKey(4))
+    stored = jax.tree.leaves(eqx.filter((state.model, state.opt_state), eqx.is_array))
+    memory = compiled_memory(step.lower(state, batch).compile())
+    return {**memory, "params_opt_bytes": sum(int(a.nbytes) for a in stored)}
 
 
 def wrn_loss(model, state, x, y):
@@ -215,8 +321,6 @@ def _report_row(report_for, gpu: bool) -> dict:
 
 
 def paper_row(name: str, smoke: bool) -> dict:
-    import equinox as eqx
-    import jax
     import jax.numpy as jnp
     import jax.random as jr
     import optax
@@ -263,8 +367,6 @@ def frontier_row(name: str, smoke: bool) -> dict:
     """A frontier configuration's training step (`quality.py --frontier`) at its batch,
     compiled for XLA:CPU and for an H100 (there without DSR's rewiring hook, whose host
     callback compiles only for a backend this process runs)."""
-    import equinox as eqx
-    import jax
     import jax.numpy as jnp
     import quality as q
 
@@ -295,6 +397,8 @@ def rows(smoke: bool) -> dict:
     out |= {f"precision/{p}": (precision_row, guide, p) for p in PRECISIONS}
     out |= {f"accumulate/k{k}": (accumulate_row, acc, k) for k in (1, 2, 4, 8)}
     out["shard/"] = (shard_rows, SMOKE["guide"] if smoke else SHARD)
+    mlp = {**SPARSE_MLP, "width": 32, "batch": 8} if smoke else SPARSE_MLP
+    out |= {f"sparse/{n}": (sparse_row, mlp, n) for n in SPARSE}
     out |= {f"paper/{n}": (paper_row, n, smoke) for n in (*PAPER_WRN, *PAPER_LM)}
     from quality import ALL_CONFIGS
 
