@@ -73,21 +73,25 @@ GUIDE_ROWS = {
     "guide/plain_eqx_checkpoint": {"plain": True},
 }  # fmt: skip
 PRECISIONS = ("float32", "mixed_bf16", "mixed_fp16", "half_bf16", "half_fp16")
-# The paper's rows: (precision, remat, accumulate, density, accumulate_dtype); WRN batch 100.
+# The paper's WRN rows at batch 100: name -> the step's options; a row may set `norm`
+# ("group", "group_ws": WideResNet's; BatchNorm by default).
+_FP32 = {"precision": "float32", "remat": False, "accumulate": 1, "density": None,
+         "accumulate_dtype": "float32"}  # fmt: skip
+_FP16_CHECKPOINT = {**_FP32, "precision": "half_fp16", "remat": "checkpoint-residual-1"}
+_COMBINED = {**_FP16_CHECKPOINT, "accumulate": 10, "density": 0.3, "accumulate_dtype": "float16"}
 PAPER_WRN = {
-    "baseline_fp32": ("float32", False, 1, None, "float32"),
-    "fp16": ("half_fp16", False, 1, None, "float32"),
-    "checkpoint": ("float32", "checkpoint-residual-1", 1, None, "float32"),
-    "micro10": ("float32", False, 10, None, "float32"),
-    "sparse30": ("float32", False, 1, 0.3, "float32"),
-    "fp16_checkpoint": ("half_fp16", "checkpoint-residual-1", 1, None, "float32"),
-    "fp16_checkpoint_micro10": ("half_fp16", "checkpoint-residual-1", 10, None, "float16"),
-    "fp16_checkpoint_micro10_sparse30": ("half_fp16", "checkpoint-residual-1", 10, 0.3, "float16"),
-    "fp16_checkpoint3_micro10_sparse30": ("half_fp16", "checkpoint-residual-3", 10, 0.3, "float16"),
-    "fp16_checkpoint_micro50_sparse30": ("half_fp16", "checkpoint-residual-1", 50, 0.3, "float16"),
-    "fp16_checkpoint_micro100_sparse30": ("half_fp16", "checkpoint-residual-1", 100, 0.3,
-                                          "float16"),
-}  # fmt: skip
+    "baseline_fp32": _FP32,
+    "fp16": {**_FP32, "precision": "half_fp16"},
+    "checkpoint": {**_FP32, "remat": "checkpoint-residual-1"},
+    "micro10": {**_FP32, "accumulate": 10},
+    "sparse30": {**_FP32, "density": 0.3},
+    "fp16_checkpoint": _FP16_CHECKPOINT,
+    "fp16_checkpoint_micro10": {**_COMBINED, "density": None},
+    "fp16_checkpoint_micro10_sparse30": _COMBINED,
+    "fp16_checkpoint3_micro10_sparse30": {**_COMBINED, "remat": "checkpoint-residual-3"},
+    "fp16_checkpoint_micro50_sparse30": {**_COMBINED, "accumulate": 50},
+    "fp16_checkpoint_micro100_sparse30": {**_COMBINED, "accumulate": 100},
+}
 # (precision, remat, accumulate: "per_sequence" is one sequence per micro-batch, dtype)
 PAPER_LM = {
     "transformer_baseline_fp32": ("float32", False, 1, "float32"),
@@ -329,17 +333,14 @@ def paper_row(name: str, smoke: bool) -> dict:
 
     if name in PAPER_WRN:
         cfg = SMOKE["wrn"] if smoke else WRN
-        precision, remat, accumulate, density, acc_dtype = PAPER_WRN[name]
+        o = PAPER_WRN[name]
+        precision, accumulate, acc_dtype = o["precision"], o["accumulate"], o["accumulate_dtype"]
         model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
-            cfg["depth"],
-            cfg["width"],
-            cfg["classes"],
-            key=jr.PRNGKey(0),
-            in_channels=3,
-            remat=remat,
-        )
-        if density is not None:
-            model = el.sparse.sparsify(model, density, key=jr.PRNGKey(1), storage="bits",
+            cfg["depth"], cfg["width"], cfg["classes"], key=jr.PRNGKey(0), in_channels=3,
+            remat=o["remat"], norm=o.get("norm", "batch"),
+        )  # fmt: skip
+        if o["density"] is not None:
+            model = el.sparse.sparsify(model, o["density"], key=jr.PRNGKey(1), storage="bits",
                                        exclude=el.nn.WideResNet.keep_dense)  # fmt: skip
         batch = (jax.ShapeDtypeStruct((cfg["batch"], *cfg["image"]), jnp.uint8),
                  jax.ShapeDtypeStruct((cfg["batch"],), jnp.int32))  # fmt: skip
