@@ -36,6 +36,7 @@ os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -44,6 +45,12 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
+import equinox as eqx  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import jax.random as jr  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from _common import (  # noqa: E402
     GUIDE,
     MARKER,
@@ -56,7 +63,10 @@ from _common import (  # noqa: E402
     time_median,
     write_json,
 )
-from memory import SPARSE, SPARSE_MLP  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from memory import SPARSE, SPARSE_MLP, sparse_mlp, wrn_loss  # noqa: E402
+
+import eqx_lowmem as el  # noqa: E402
 
 TINY = {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_ff": 32, "seq": 8, "batch": 4}
 SIZES = {
@@ -151,32 +161,22 @@ class Unavailable(Exception):
 
 
 def _ready(tree) -> None:
-    import equinox as eqx
-    import jax
-
     jax.block_until_ready(eqx.filter(tree, eqx.is_array))
 
 
 def _batch(cfg: dict, key):
-    import jax.random as jr
-
     kx, ky = jr.split(key)
     shape = (cfg["batch"], cfg["seq"], cfg["d_model"])
     return jr.normal(kx, shape), jr.normal(ky, shape)
 
 
 def _tree_bytes(tree) -> int:
-    import equinox as eqx
-    import jax
-
     return sum(int(a.nbytes) for a in jax.tree.leaves(tree) if eqx.is_array(a))
 
 
 def _step_runner(step, state, batch, host: bool = False):
     """The update of a `make_step`, after its first applied one (a dynamic loss scale may
     skip the first few): `(update, info)` with the first update's loss and gradient norm."""
-    import math
-
     info: dict = {}
     if host:  # the program's own host-memory figures (offloaded residuals on a GPU)
         m = step.lower(state, batch).compile()
@@ -206,9 +206,6 @@ def _step_runner(step, state, batch, host: bool = False):
 def _report(shapes, optimizer, batch, accumulate, precision) -> dict:
     """The memory report's prediction (compile only), to compare with the measured peak;
     on a GPU also the same step compiled for its kind as a compile-only target."""
-    import jax
-
-    import eqx_lowmem as el
 
     structs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in batch)
     args = (shapes, el.train.mse, optimizer, structs)
@@ -231,13 +228,6 @@ def _report(shapes, optimizer, batch, accumulate, precision) -> dict:
 
 def transformer(name: str, spec: dict, sizes: dict):
     """The guide's encoder trained by `make_step`: remat, precision, accumulation, attention."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-    import jax.random as jr
-    import optax
-
-    import eqx_lowmem as el
 
     cfg = sizes["transformer"]
     remat, attention = spec.get("remat", "none"), spec.get("attention", "auto")
@@ -266,13 +256,6 @@ def transformer(name: str, spec: dict, sizes: dict):
 
 def multisteps(name: str, spec: dict, sizes: dict):
     """`optax.MultiSteps`: one jitted call per micro-batch, parameters and state donated."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-    import jax.random as jr
-    import optax
-
-    import eqx_lowmem as el
 
     cfg, k = sizes["transformer"], spec["accumulate"]
     model_key, data_key = jr.split(jr.PRNGKey(0))
@@ -305,12 +288,6 @@ def multisteps(name: str, spec: dict, sizes: dict):
 def stream(name: str, spec: dict, sizes: dict):
     """One epoch of the whole-batch float32 step: batches on the device, or a shuffled
     `DataStream` over `.npy` memory maps with `prefetch` (or the Trainer over it)."""
-    import jax
-    import jax.random as jr
-    import numpy as np
-    import optax
-
-    import eqx_lowmem as el
 
     cfg, n = sizes["transformer"], sizes["stream_samples"]
     b, shape = cfg["batch"], (cfg["seq"], cfg["d_model"])
@@ -343,13 +320,6 @@ def stream(name: str, spec: dict, sizes: dict):
 
 def fsdp(name: str, spec: dict, sizes: dict):
     """The guide's encoder, Adam, full remat: replicated or FSDP over every local device."""
-    import jax
-    import jax.random as jr
-    import numpy as np
-    import optax
-    from jax.sharding import Mesh
-
-    import eqx_lowmem as el
 
     cfg, mesh = sizes["transformer"], Mesh(np.array(jax.devices()), ("data",))
     step = el.train.make_step(el.train.mse, optax.adam(1e-3), mesh=mesh, shard=spec["shard"])
@@ -361,21 +331,12 @@ def fsdp(name: str, spec: dict, sizes: dict):
 
 def sparse(name: str, spec: dict, sizes: dict):
     """A sparse-storage variant of `memory.py`'s MLP (`memory.SPARSE`): its step's time."""
-    import jax.random as jr
-    from memory import sparse_mlp
-
     model, batch, step = sparse_mlp(spec["variant"], sizes["mlp"])
     return _step_runner(step, step.init(model, key=jr.PRNGKey(4)), batch)
 
 
 def wrn(name: str, spec: dict, sizes: dict):
     """A WideResNet (momentum SGD, BatchNorm per micro-batch): the paper's rows."""
-    import equinox as eqx
-    import jax.random as jr
-    import optax
-    from memory import wrn_loss
-
-    import eqx_lowmem as el
 
     w = sizes["wrn"]
     model_key, data_key, sparse_key = jr.split(jr.PRNGKey(0), 3)
@@ -399,8 +360,6 @@ def wrn(name: str, spec: dict, sizes: dict):
 
 
 def _peak() -> int | None:
-    import jax
-
     return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
 
 
@@ -586,7 +545,6 @@ def main(argv: list[str] | None = None) -> int:
         worker(json.loads(args.worker))
         return 0
     names = [n for n in CONFIGS if not args.only or any(n.startswith(p) for p in args.only)]
-    import jax
 
     if args.device == "gpu" and jax.default_backend() != "gpu" and not args.smoke:
         parser.error(f"--device gpu: the default backend is {jax.default_backend()!r}, not a "
