@@ -38,10 +38,17 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+from jax.sharding import Mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
 from _common import GUIDE, RESULTS, compiled_memory, encoder, plain_step, spawn, write_json  # noqa: E402
+
+import eqx_lowmem as el  # noqa: E402
 
 ACCUMULATE = {"n_layers": 2, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 128, "batch": 32}
 SHARD = {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 64, "batch": 32}
@@ -119,19 +126,12 @@ SPARSE_MLP = {"width": 1024, "layers": 3, "batch": 128, "density": 0.3, "slack":
 
 
 def _shapes(cfg: dict, dtype=None) -> tuple:
-    import jax.numpy as jnp
-
     x = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"], cfg["d_model"]), dtype or jnp.float32)
     return x, x
 
 
 def guide_row(cfg: dict, opts: dict) -> dict:
     """The compiled memory of the guide's step (`make_step`, or plain Equinox's)."""
-    import jax.numpy as jnp
-    import jax.random as jr
-    import optax
-
-    import eqx_lowmem as el
 
     if "plain" in opts:
         model, opt_state, jitted = plain_step(cfg, opts["plain"])
@@ -149,11 +149,6 @@ def guide_row(cfg: dict, opts: dict) -> dict:
 
 def precision_row(cfg: dict, preset: str) -> dict:
     """What the backward pass keeps in `preset` (traced), and parameters + Adam's state."""
-    import jax.numpy as jnp
-    import jax.random as jr
-    import optax
-
-    import eqx_lowmem as el
 
     policy, found = el.precision.PRESETS[preset], []
 
@@ -183,13 +178,6 @@ def accumulate_row(cfg: dict, k: int) -> dict:
 
 def shard_rows(cfg: dict) -> dict:
     """Replicated against FSDP over 2, 4 and 8 devices: per-device compiled bytes."""
-    import jax.numpy as jnp
-    import jax.random as jr
-    import numpy as np
-    import optax
-    from jax.sharding import Mesh
-
-    import eqx_lowmem as el
 
     def loss(model, x):
         return jnp.mean(jax.vmap(model)(x) ** 2, axis=(1, 2))
@@ -244,12 +232,6 @@ class BCOOLinear(eqx.Module):
 def sparse_mlp(name: str, cfg: dict) -> tuple:
     """`SPARSE[name]`'s model of the MLP at `cfg`'s size, a batch `(x, y)` and its step
     (cross-entropy, Adam; DSR after each update where the row says)."""
-    import jax.numpy as jnp
-    import jax.random as jr
-    import numpy as np
-    import optax
-
-    import eqx_lowmem as el
 
     _, storage, period = SPARSE[name]
     dense = el.nn.mlp([cfg["width"]] * (cfg["layers"] + 1) + [10], key=jr.PRNGKey(0))
@@ -287,8 +269,6 @@ def sparse_mlp(name: str, cfg: dict) -> tuple:
 
 def sparse_row(cfg: dict, name: str) -> dict:
     """A sparse-storage step's compiled memory and its parameters plus Adam's state."""
-    import jax.random as jr
-
     model, batch, step = sparse_mlp(name, cfg)
     state = step.init(model, key=jr.PRNGKey(4))
     stored = jax.tree.leaves(eqx.filter((state.model, state.opt_state), eqx.is_array))
@@ -298,9 +278,6 @@ def sparse_row(cfg: dict, name: str) -> dict:
 
 def wrn_loss(model, state, x, y):
     """Per-image cross-entropy of a WideResNet; uint8 images normalised as CIFAR-10's."""
-    import jax.numpy as jnp
-    import optax
-
     mean = jnp.asarray(CIFAR_MEAN, jnp.float32)[:, None, None]
     std = jnp.asarray(CIFAR_STD, jnp.float32)[:, None, None]
     x = ((x.astype(jnp.float32) / 255.0 - mean) / std).astype(model.stem.weight.dtype)
@@ -325,11 +302,6 @@ def _report_row(report_for, gpu: bool) -> dict:
 
 
 def paper_row(name: str, smoke: bool) -> dict:
-    import jax.numpy as jnp
-    import jax.random as jr
-    import optax
-
-    import eqx_lowmem as el
 
     if name in PAPER_WRN:
         cfg = SMOKE["wrn"] if smoke else WRN
@@ -368,10 +340,7 @@ def frontier_row(name: str, smoke: bool) -> dict:
     """A frontier configuration's training step (`quality.py --frontier`) at its batch,
     compiled for XLA:CPU and for an H100 (there without DSR's rewiring hook, whose host
     callback compiles only for a backend this process runs)."""
-    import jax.numpy as jnp
     import quality as q
-
-    import eqx_lowmem as el
 
     cfg = {**(q.FRONTIER_QUICK if smoke else q.FRONTIER)}
     batch = (jax.ShapeDtypeStruct((cfg["batch"], 1, 28, 28), jnp.float32),
@@ -397,7 +366,8 @@ def rows(smoke: bool) -> dict:
     out = {n: (guide_row, guide, o) for n, o in GUIDE_ROWS.items()}
     out |= {f"precision/{p}": (precision_row, guide, p) for p in PRECISIONS}
     out |= {f"accumulate/k{k}": (accumulate_row, acc, k) for k in (1, 2, 4, 8)}
-    out["shard/"] = (shard_rows, SMOKE["guide"] if smoke else SHARD)
+    # The shard rows' batch: accumulate=2 on each of up to 8 devices.
+    out["shard/"] = (shard_rows, {**SMOKE["guide"], "batch": 16} if smoke else SHARD)
     mlp = {**SPARSE_MLP, "width": 32, "batch": 8} if smoke else SPARSE_MLP
     out |= {f"sparse/{n}": (sparse_row, mlp, n) for n in SPARSE}
     out |= {f"paper/{n}": (paper_row, n, smoke) for n in (*PAPER_WRN, *PAPER_LM)}
