@@ -12,6 +12,10 @@ Each row compiles a training step on abstract shapes and records `memory_analysi
   whole and in k micro-batches.
 - `shard/*`: a 4-block encoder with Adam, replicated against FSDP over 2, 4 and 8 host
   devices (in a worker process started with 8 of them).
+- `sparse/*`: sparse storage (issue 11) on an MLP of three 1024x1024 layers and a 10-way
+  head, batch 128, Adam, 30% density: ours (indices or a bit set, with DSR or not) against
+  dense, jaxpruner's masked dense weight and `jax.experimental.sparse`'s BCOO; parameters
+  plus Adam's state and the step's peak (`speed.py`'s `sparse/*` rows time the same steps).
 - `frontier/*`: each configuration of `quality.py --frontier`: its training step at batch
   100 on XLA:CPU and for an H100.
 - `paper/*`: Sohoni et al. (2019)'s tables, each row a `memory_report` of the real step on
@@ -32,9 +36,19 @@ import os
 import sys
 from pathlib import Path
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
 from _common import GUIDE, RESULTS, compiled_memory, encoder, plain_step, spawn, write_json  # noqa: E402
+
+import eqx_lowmem as el  # noqa: E402
 
 ACCUMULATE = {"n_layers": 2, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 128, "batch": 32}
 SHARD = {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 64, "batch": 32}
@@ -66,21 +80,25 @@ GUIDE_ROWS = {
     "guide/plain_eqx_checkpoint": {"plain": True},
 }  # fmt: skip
 PRECISIONS = ("float32", "mixed_bf16", "mixed_fp16", "half_bf16", "half_fp16")
-# The paper's rows: (precision, remat, accumulate, density, accumulate_dtype); WRN batch 100.
+# The paper's WRN rows at batch 100: name -> the step's options; a row may set `norm`
+# ("group", "group_ws": WideResNet's; BatchNorm by default).
+_FP32 = {"precision": "float32", "remat": False, "accumulate": 1, "density": None,
+         "accumulate_dtype": "float32"}  # fmt: skip
+_FP16_CHECKPOINT = {**_FP32, "precision": "half_fp16", "remat": "checkpoint-residual-1"}
+_COMBINED = {**_FP16_CHECKPOINT, "accumulate": 10, "density": 0.3, "accumulate_dtype": "float16"}
 PAPER_WRN = {
-    "baseline_fp32": ("float32", False, 1, None, "float32"),
-    "fp16": ("half_fp16", False, 1, None, "float32"),
-    "checkpoint": ("float32", "checkpoint-residual-1", 1, None, "float32"),
-    "micro10": ("float32", False, 10, None, "float32"),
-    "sparse30": ("float32", False, 1, 0.3, "float32"),
-    "fp16_checkpoint": ("half_fp16", "checkpoint-residual-1", 1, None, "float32"),
-    "fp16_checkpoint_micro10": ("half_fp16", "checkpoint-residual-1", 10, None, "float16"),
-    "fp16_checkpoint_micro10_sparse30": ("half_fp16", "checkpoint-residual-1", 10, 0.3, "float16"),
-    "fp16_checkpoint3_micro10_sparse30": ("half_fp16", "checkpoint-residual-3", 10, 0.3, "float16"),
-    "fp16_checkpoint_micro50_sparse30": ("half_fp16", "checkpoint-residual-1", 50, 0.3, "float16"),
-    "fp16_checkpoint_micro100_sparse30": ("half_fp16", "checkpoint-residual-1", 100, 0.3,
-                                          "float16"),
-}  # fmt: skip
+    "baseline_fp32": _FP32,
+    "fp16": {**_FP32, "precision": "half_fp16"},
+    "checkpoint": {**_FP32, "remat": "checkpoint-residual-1"},
+    "micro10": {**_FP32, "accumulate": 10},
+    "sparse30": {**_FP32, "density": 0.3},
+    "fp16_checkpoint": _FP16_CHECKPOINT,
+    "fp16_checkpoint_micro10": {**_COMBINED, "density": None},
+    "fp16_checkpoint_micro10_sparse30": _COMBINED,
+    "fp16_checkpoint3_micro10_sparse30": {**_COMBINED, "remat": "checkpoint-residual-3"},
+    "fp16_checkpoint_micro50_sparse30": {**_COMBINED, "accumulate": 50},
+    "fp16_checkpoint_micro100_sparse30": {**_COMBINED, "accumulate": 100},
+}
 # (precision, remat, accumulate: "per_sequence" is one sequence per micro-batch, dtype)
 PAPER_LM = {
     "transformer_baseline_fp32": ("float32", False, 1, "float32"),
@@ -89,24 +107,31 @@ PAPER_LM = {
     "transformer_micro250": ("float32", False, "per_sequence", "float32"),
     "transformer_fp16_checkpoint_micro250": ("half_fp16", True, "per_sequence", "float16"),
 }
+# Sparse storage: name -> (label, storage, DSR's period). "rewired": ours after 30 DSR
+# rewirings on other batches (training's steady state: a timed run never reaches step 100,
+# and a rewired layout is not the one `sparsify` makes); "masked": jaxpruner's way (dense
+# weight and Adam state, a uint8 mask); "bcoo": `jax.experimental.sparse` BCOO weights.
+SPARSE = {
+    "dense": ("dense", None, None),
+    "masked": ("masked dense (jaxpruner)", "masked", None),
+    "ours": ("ours", "indices", None),
+    "ours_dsr1": ("ours + DSR every step", "indices", 1),
+    "ours_dsr100": ("ours + DSR every 100 steps", "indices", 100),
+    "bits": ("ours, positions as a bit set", "bits", None),
+    "bits_dsr100": ("ours, positions as a bit set + DSR every 100 steps", "bits", 100),
+    "bcoo": ("BCOO", "bcoo", None),
+    "rewired_dsr100": ("ours + DSR every 100 steps, after 30 rewirings", "rewired", 100),
+}  # fmt: skip
+SPARSE_MLP = {"width": 1024, "layers": 3, "batch": 128, "density": 0.3, "slack": 0.1}
 
 
 def _shapes(cfg: dict, dtype=None) -> tuple:
-    import jax
-    import jax.numpy as jnp
-
     x = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"], cfg["d_model"]), dtype or jnp.float32)
     return x, x
 
 
 def guide_row(cfg: dict, opts: dict) -> dict:
     """The compiled memory of the guide's step (`make_step`, or plain Equinox's)."""
-    import equinox as eqx
-    import jax.numpy as jnp
-    import jax.random as jr
-    import optax
-
-    import eqx_lowmem as el
 
     if "plain" in opts:
         model, opt_state, jitted = plain_step(cfg, opts["plain"])
@@ -124,13 +149,6 @@ def guide_row(cfg: dict, opts: dict) -> dict:
 
 def precision_row(cfg: dict, preset: str) -> dict:
     """What the backward pass keeps in `preset` (traced), and parameters + Adam's state."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-    import jax.random as jr
-    import optax
-
-    import eqx_lowmem as el
 
     policy, found = el.precision.PRESETS[preset], []
 
@@ -160,14 +178,6 @@ def accumulate_row(cfg: dict, k: int) -> dict:
 
 def shard_rows(cfg: dict) -> dict:
     """Replicated against FSDP over 2, 4 and 8 devices: per-device compiled bytes."""
-    import jax
-    import jax.numpy as jnp
-    import jax.random as jr
-    import numpy as np
-    import optax
-    from jax.sharding import Mesh
-
-    import eqx_lowmem as el
 
     def loss(model, x):
         return jnp.mean(jax.vmap(model)(x) ** 2, axis=(1, 2))
@@ -186,11 +196,88 @@ def shard_rows(cfg: dict) -> dict:
     return out
 
 
+class MaskedLinear(eqx.Module):
+    """jaxpruner's way: a dense weight and a uint8 mask; the forward uses weight * mask."""
+
+    weight: jax.Array
+    bias: jax.Array
+    mask: jax.Array
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def __call__(self, x, *, key=None):
+        return (self.weight * self.mask.astype(self.weight.dtype)) @ x + self.bias
+
+
+class BCOOLinear(eqx.Module):
+    """`jax.experimental.sparse` BCOO weight: trainable data, integer indices."""
+
+    data: jax.Array
+    indices: jax.Array
+    bias: jax.Array
+    shape: tuple[int, int] = eqx.field(static=True)
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    def __call__(self, x, *, key=None):
+        from jax.experimental import sparse
+
+        return sparse.BCOO((self.data, self.indices), shape=self.shape) @ x + self.bias
+
+
+def sparse_mlp(name: str, cfg: dict) -> tuple:
+    """`SPARSE[name]`'s model of the MLP at `cfg`'s size, a batch `(x, y)` and its step
+    (cross-entropy, Adam; DSR after each update where the row says)."""
+
+    _, storage, period = SPARSE[name]
+    dense = el.nn.mlp([cfg["width"]] * (cfg["layers"] + 1) + [10], key=jr.PRNGKey(0))
+    x = jr.normal(jr.PRNGKey(2), (cfg["batch"], cfg["width"]))
+    y = jr.randint(jr.PRNGKey(3), (cfg["batch"],), 0, 10)
+
+    def step(period):
+        hook = None if period is None else el.sparse.dsr(period=period)
+        return el.train.make_step(el.train.cross_entropy, optax.adam(1e-3), after_update=hook)
+
+    if storage is None:
+        return dense, (x, y), step(None)
+    model = el.sparse.sparsify(dense, cfg["density"], key=jr.PRNGKey(1), slack=cfg["slack"],
+                               storage="bits" if storage == "bits" else "indices")  # fmt: skip
+    if storage in ("masked", "bcoo"):  # the same positions, stored their way
+        layers = []
+        for d, s in zip(dense.layers, model.layers, strict=True):
+            keep = np.asarray(el.sparse.densify(s).weight != 0)
+            rows, cols = np.nonzero(keep)
+            idx = jnp.asarray(np.stack([rows, cols], 1), jnp.int32)
+            masked = MaskedLinear(d.weight, d.bias, jnp.asarray(keep, jnp.uint8))
+            bcoo = BCOOLinear(d.weight[rows, cols], idx, d.bias, keep.shape)
+            layers.append(masked if storage == "masked" else bcoo)
+        model = el.nn.MLP(layers=tuple(layers), activation=dense.activation)
+    if storage == "rewired":  # on other batches: a model that learnt the timed one is not
+        rewire = step(1)  # training's steady state (and its zero gradients are denormal)
+        state = rewire.init(model, key=jr.PRNGKey(5))
+        for i in range(30):
+            kx, ky = jr.split(jr.PRNGKey(6 + i))
+            other = jr.normal(kx, x.shape), jr.randint(ky, y.shape, 0, 10)
+            state, _ = rewire(state, other)
+        model = state.model
+    return model, (x, y), step(period)
+
+
+def sparse_row(cfg: dict, name: str) -> dict:
+    """A sparse-storage step's compiled memory and its parameters plus Adam's state."""
+    model, batch, step = sparse_mlp(name, cfg)
+    state = step.init(model, key=jr.PRNGKey(4))
+    stored = jax.tree.leaves(eqx.filter((state.model, state.opt_state), eqx.is_array))
+    memory = compiled_memory(step.lower(state, batch).compile())
+    return {**memory, "params_opt_bytes": sum(int(a.nbytes) for a in stored)}
+
+
 def wrn_loss(model, state, x, y):
     """Per-image cross-entropy of a WideResNet; uint8 images normalised as CIFAR-10's."""
-    import jax.numpy as jnp
-    import optax
-
     mean = jnp.asarray(CIFAR_MEAN, jnp.float32)[:, None, None]
     std = jnp.asarray(CIFAR_STD, jnp.float32)[:, None, None]
     x = ((x.astype(jnp.float32) / 255.0 - mean) / std).astype(model.stem.weight.dtype)
@@ -215,27 +302,17 @@ def _report_row(report_for, gpu: bool) -> dict:
 
 
 def paper_row(name: str, smoke: bool) -> dict:
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-    import jax.random as jr
-    import optax
-
-    import eqx_lowmem as el
 
     if name in PAPER_WRN:
         cfg = SMOKE["wrn"] if smoke else WRN
-        precision, remat, accumulate, density, acc_dtype = PAPER_WRN[name]
+        o = PAPER_WRN[name]
+        precision, accumulate, acc_dtype = o["precision"], o["accumulate"], o["accumulate_dtype"]
         model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
-            cfg["depth"],
-            cfg["width"],
-            cfg["classes"],
-            key=jr.PRNGKey(0),
-            in_channels=3,
-            remat=remat,
-        )
-        if density is not None:
-            model = el.sparse.sparsify(model, density, key=jr.PRNGKey(1), storage="bits",
+            cfg["depth"], cfg["width"], cfg["classes"], key=jr.PRNGKey(0), in_channels=3,
+            remat=o["remat"], norm=o.get("norm", "batch"),
+        )  # fmt: skip
+        if o["density"] is not None:
+            model = el.sparse.sparsify(model, o["density"], key=jr.PRNGKey(1), storage="bits",
                                        exclude=el.nn.WideResNet.keep_dense)  # fmt: skip
         batch = (jax.ShapeDtypeStruct((cfg["batch"], *cfg["image"]), jnp.uint8),
                  jax.ShapeDtypeStruct((cfg["batch"],), jnp.int32))  # fmt: skip
@@ -263,12 +340,7 @@ def frontier_row(name: str, smoke: bool) -> dict:
     """A frontier configuration's training step (`quality.py --frontier`) at its batch,
     compiled for XLA:CPU and for an H100 (there without DSR's rewiring hook, whose host
     callback compiles only for a backend this process runs)."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
     import quality as q
-
-    import eqx_lowmem as el
 
     cfg = {**(q.FRONTIER_QUICK if smoke else q.FRONTIER)}
     batch = (jax.ShapeDtypeStruct((cfg["batch"], 1, 28, 28), jnp.float32),
@@ -294,7 +366,10 @@ def rows(smoke: bool) -> dict:
     out = {n: (guide_row, guide, o) for n, o in GUIDE_ROWS.items()}
     out |= {f"precision/{p}": (precision_row, guide, p) for p in PRECISIONS}
     out |= {f"accumulate/k{k}": (accumulate_row, acc, k) for k in (1, 2, 4, 8)}
-    out["shard/"] = (shard_rows, SMOKE["guide"] if smoke else SHARD)
+    # The shard rows' batch: accumulate=2 on each of up to 8 devices.
+    out["shard/"] = (shard_rows, {**SMOKE["guide"], "batch": 16} if smoke else SHARD)
+    mlp = {**SPARSE_MLP, "width": 32, "batch": 8} if smoke else SPARSE_MLP
+    out |= {f"sparse/{n}": (sparse_row, mlp, n) for n in SPARSE}
     out |= {f"paper/{n}": (paper_row, n, smoke) for n in (*PAPER_WRN, *PAPER_LM)}
     from quality import ALL_CONFIGS
 

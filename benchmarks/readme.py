@@ -24,6 +24,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 MIB, MB = 2**20, 1e6  # MB: the paper's
 MARKER = re.compile(r"<!-- figures:([\w-]+) -->\n(.*?)<!-- /figures:\1 -->\n", re.S)
+sys.path.insert(0, str(ROOT / "benchmarks"))  # `memory.py`'s row names
 
 
 @cache
@@ -44,6 +45,14 @@ def table(head: list[str], rows: list[list], right: int = 1) -> str:
     rule = ["---" if i < right else "---:" for i in range(len(head))]
     lines = [head, rule, *[[str(c) for c in row] for row in rows]]
     return "\n".join("| " + " | ".join(line) + " |" for line in lines)
+
+
+def spec_table(label: str, columns: dict[str, str], rows: dict[str, dict], right: int = 1) -> str:
+    """A Markdown table from a spec: a row per `rows` item, its name under `label`, then a
+    column per `columns` item, header -> a `str.format` template filled from the row's
+    figures (`"{time:.2f}x"`)."""
+    cells = [[name, *(t.format(**r) for t in columns.values())] for name, r in rows.items()]
+    return table([label, *columns], cells, right)
 
 
 def x(ratio: float, digits: int = 2) -> str:
@@ -105,20 +114,16 @@ def checkpoint() -> str:
     loads = [*d["load_average_before"], *d["load_average_after"]]
     big, kills = d["stall"]["100mb"], d["sigkill"]
     met = d["goals"]["async_stall_at_most_0.2x_file_save_100mb"]
-    rows = [
-        [label, f"{s['file_save_s']:.3f} s", f"{s['orbax_async_stall_s']:.3f} s",
-         f"{s['orbax_async_write_s']:.2f} s", f"{s['orbax_sync_write_s']:.2f} s"]
-        for label, s in (
-            (f"{big['state_mb']:.0f} MB (MLP 8 x 1024x1024, Adam)", big),
-            ("the tests' small MLP", d["stall"]["small"]),
-        )
-    ]  # fmt: skip
-    head = ["state", "single file", "orbax async: stall", "its write", "orbax sync"]
+    rows = {f"{big['state_mb']:.0f} MB (MLP 8 x 1024x1024, Adam)": big,
+            "the tests' small MLP": d["stall"]["small"]}  # fmt: skip
+    columns = {"single file": "{file_save_s:.3f} s", "orbax async: stall":
+               "{orbax_async_stall_s:.3f} s", "its write": "{orbax_async_write_s:.2f} s",
+               "orbax sync": "{orbax_sync_write_s:.2f} s"}  # fmt: skip
     return "\n\n".join([
         para(f"Measured (`benchmarks/checkpoint.py`, `checkpoint.json`, {date('checkpoint')}, "
              f"2 CPU cores at a load average of {min(loads):.1f}-{max(loads):.1f}, medians of 5 "
              "saves; seconds the save holds the caller, and the asynchronous write's whole time):"),
-        table(head, rows),
+        spec_table("state", columns, rows),
         para(f"The asynchronous stall is {x(big['async_stall_vs_file_save'])} the single file's "
              f"save (the goal of at most 0.2x: {goal(met)}). Killed {kills['killed']} times at "
              f"random moments ({kills['during_async_save']} during an asynchronous save), the "
@@ -127,14 +132,13 @@ def checkpoint() -> str:
 
 
 def shard() -> str:
-    g = grid()
-    rows = [[n, *(x(g[f"shard/{n}"]["fsdp"][k] / g[f"shard/{n}"]["data"][k]) for k in
-                  ("argument", "temp"))] for n in (2, 4, 8)]  # fmt: skip
+    rows = {n: {k: grid()[f"shard/{n}"]["fsdp"][k] / grid()[f"shard/{n}"]["data"][k]
+                for k in ("argument", "temp")} for n in (2, 4, 8)}  # fmt: skip
     return "\n\n".join([
         para(f"Compiled for XLA:CPU host devices (`python benchmarks/memory.py --only shard/`, "
              f"`memory_grid.json`, {date('memory_grid')}, a 4-block encoder with Adam): "
              "FSDP's per-device bytes against the replicated step's."),
-        table(["devices", "arguments", "temporaries"], rows),
+        spec_table("devices", {"arguments": "{argument:.2f}x", "temporaries": "{temp:.2f}x"}, rows),
     ])  # fmt: skip
 
 
@@ -142,43 +146,53 @@ def shard() -> str:
 
 
 def sparse() -> str:
-    d = result("sparse")
-    rows, goals = {r["variant"]: r for r in d["storage"]}, d["goals"]
-    show = {n: r for n, r in rows.items() if "time_vs_dense" in r}
-    out = [
-        [n, x(r["params_opt_vs_dense"]), x(r["peak_vs_dense"]), x(r["time_vs_dense"])]
-        for n, r in show.items()
-    ]
+    """Sparse storage against dense: memory compiled (`memory.py`), time side by side
+    (`speed.py`), on the same MLP."""
+    from memory import SPARSE
+
+    g, t = grid(), result("speed")["configs"]
+    vs = lambda n, k: g[f"sparse/{n}"][k] / g["sparse/dense"][k]  # noqa: E731
+    rows = {n: {"stored": vs(n, "params_opt_bytes"), "peak": vs(n, "peak"),
+                "time": t[f"sparse/{n}"]["time_vs_base"]} for n in SPARSE}  # fmt: skip
+    goals = [f"{SPARSE[n][0]}: {what} <= {bound}x dense: {goal(rows[n][what] <= bound)}"
+             for n in ("ours", "ours_dsr100", "rewired_dsr100", "bits")
+             for what, bound in (("time", 1.3), ("peak", 0.6))]  # fmt: skip
+    columns = {"parameters + Adam": "{stored:.2f}x", "step's peak": "{peak:.2f}x",
+               "step's time": "{time:.2f}x"}  # fmt: skip
     return "\n\n".join([
-        para(f"Measured (`benchmarks/sparse.py`, `sparse.json`, {date('sparse')}, 2 CPU cores; "
-             "an MLP of three 1024x1024 layers and a head, batch 128, Adam, 30% density and "
-             "10% slack, compile-only memory, times side by side in one process), against "
-             "dense:"),
-        table(["variant", "parameters + Adam", "step's peak", "step's time"], out),
-        para("Goals: " + "; ".join(f"{k}: {goal(v)}" for k, v in goals.items()) + "."),
+        para(f"Measured (`benchmarks/speed.py --only sparse/`, `speed.json`, {date('speed')}, "
+             "2 CPU cores, times side by side in one process; memory compiled by "
+             f"`benchmarks/memory.py`, `memory_grid.json`, {date('memory_grid')}; an MLP of "
+             "three 1024x1024 layers and a head, batch 128, Adam, 30% density and 10% slack), "
+             "against dense:"),
+        spec_table("variant", columns, {SPARSE[n][0]: r for n, r in rows.items()}),
+        para("Goals: " + "; ".join(goals) + "."),
     ])  # fmt: skip
 
 
 def sparse_bits() -> str:
-    rows = {r["variant"]: r for r in result("sparse")["storage"]}
-    bits, ours = rows["ours, positions as a bit set"], rows["ours"]
+    t = result("speed")["configs"]
     return para(
-        f"On the MLP above (the same run) a bit set takes {x(bits['time_vs_dense'])} the dense "
-        f"step's time against {x(ours['time_vs_dense'])} with indices: each step walks every "
-        "layer's bits three times (two rebuilds of the dense weight and the value gradient), "
-        "a chunk of positions at a time, so that no positions array is ever held."
+        f"On the MLP above (the same run) a bit set takes {x(t['sparse/bits']['time_vs_base'])} "
+        f"the dense step's time against {x(t['sparse/ours']['time_vs_base'])} with indices: "
+        "each step walks every layer's bits three times (two rebuilds of the dense weight and "
+        "the value gradient), a chunk of positions at a time, so that no positions array is "
+        "ever held."
     )
 
 
 def sparse_quality() -> str:
-    q, d = result("sparse")["quality"], result("sparse")
-    cfg, when = q["config"], d.get("quality_environment", {}).get("date", "")
+    d = result("frontier")
+    r, cfg = {r["config"]: r for r in d["rows"]}, d["config"]
+    dsr, dense = r["dsr30"], r["fp32"]
     return para(
-        f"On Fashion-MNIST (an MLP {'-'.join(map(str, cfg['model']))}, {cfg['epochs']} epochs, "
-        f"batch {cfg['batch']}, {cfg['optimizer']}; `benchmarks/sparse.py`, the JSON's "
-        f"`quality`, {when[:10]}), DSR at {cfg['density']:.0%} density reaches "
-        f"{100 * q['dsr_30']['test_accuracy'][-1]:.2f}% test accuracy against "
-        f"{100 * q['dense']['test_accuracy'][-1]:.2f}% dense."
+        f"On Fashion-MNIST (`benchmarks/quality.py --frontier`, `frontier.json`, "
+        f"{date('frontier')}: a WRN-{cfg['depth']}-{cfg['width']}, {dsr['trained']['updates']} "
+        f"updates of {cfg['batch']}, seeds {' and '.join(map(str, cfg['seeds']))}), DSR at 30% "
+        f"density reaches {100 * dsr['test_accuracy']:.2f}% test accuracy against "
+        f"{100 * dense['test_accuracy']:.2f}% dense (the seeds' spreads "
+        f"{100 * dsr['test_accuracy_spread']:.2f} and {100 * dense['test_accuracy_spread']:.2f} "
+        "points)."
     )
 
 
@@ -314,7 +328,6 @@ def data() -> str:
 
 def paper() -> str:
     """The paper's two tables (`memory_grid.json`'s `paper/*` rows) and its goals."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from memory import PAPER_LM, PAPER_WRN
 
     g = {n: grid()[f"paper/{n}"] for n in (*PAPER_WRN, *PAPER_LM)}

@@ -11,8 +11,7 @@ updates per second against the hand step's) and compiled peak library/hand <= 1.
     python benchmarks/step_speed.py                 # CPU, results/step_speed.json
     python benchmarks/step_speed.py --device gpu    # a GPU, results/step_speed_gpu.json
 
-On a GPU set `XLA_PYTHON_CLIENT_PREALLOCATE=false`; `gpu_rows()` returns the same rows
-for a caller such as `benchmarks/gpu.py`.
+On a GPU (batches 8x the CPU's) set `XLA_PYTHON_CLIENT_PREALLOCATE=false`.
 """
 
 import argparse
@@ -149,29 +148,17 @@ def measure(name: str, model, loss, batch, rounds: int) -> dict:
     return row
 
 
-def rows(names, rounds: int, scale: int = 1) -> dict:
-    chosen = {k: v for k, v in cases(scale).items() if k in names}
-    return {name: measure(name, *spec, rounds) for name, spec in chosen.items()}
-
-
-def gpu_rows(rounds: int = 31) -> dict:
-    """The rows on the attached GPU, batches 8x the CPU's (for `benchmarks/gpu.py`)."""
-    if jax.default_backend() != "gpu":
-        raise RuntimeError(f"gpu_rows needs a GPU; the default backend is {jax.default_backend()}.")
-    return rows(list(cases()), rounds, scale=8)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--only", nargs="*", default=None, help="a subset of the cases")
     args = parser.parse_args()
-    names = args.only or list(cases())
-    if args.device == "gpu":
-        results = gpu_rows(args.rounds) if args.only is None else rows(names, args.rounds, 8)
-    else:
-        results = rows(names, args.rounds)
+    if args.device == "gpu" and jax.default_backend() != "gpu":
+        parser.error(f"--device gpu: the default backend is {jax.default_backend()!r}.")
+    scale = 8 if args.device == "gpu" else 1  # a GPU's batches: 8x the CPU's
+    chosen = {k: v for k, v in cases(scale).items() if args.only is None or k in args.only}
+    results = {name: measure(name, *spec, args.rounds) for name, spec in chosen.items()}
     met = all(r["met"] for r in results.values())
     name = "step_speed" if args.device == "cpu" else "step_speed_gpu"
     path = write_json(name, {"goals": GOALS, "rows": results, "all_met": met})

@@ -16,10 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "memory.py"
 COMMITTED = ROOT / "benchmarks" / "results" / "memory_grid.json"
 # The rows compiled again by the slow suite (about a minute on 2 cores): the README's remat
-# figures, a precision and an accumulation row, the shards and the paper's cheapest
-# combination (on XLA:CPU and for an H100). `python benchmarks/memory.py` compiles all.
+# figures, a precision and an accumulation row, the shards, sparse storage against dense and
+# the paper's cheapest combination (on XLA:CPU and for an H100). `python benchmarks/memory.py`
+# compiles all.
 CHECKED = ("guide/none", "guide/full", "guide/minimal", "precision/mixed_bf16",
-           "accumulate/k4", "shard/", "paper/fp16_checkpoint_micro100_sparse30")  # fmt: skip
+           "accumulate/k4", "shard/", "sparse/dense", "sparse/ours",
+           "paper/fp16_checkpoint_micro100_sparse30")  # fmt: skip
 # The H100 target compiles with JAX's CUDA plugin (the test extra installs it).
 HAS_GPU_TARGET = importlib.util.find_spec("jax_cuda12_plugin") is not None
 
