@@ -86,6 +86,8 @@ _FP32 = {"precision": "float32", "remat": False, "accumulate": 1, "density": Non
          "accumulate_dtype": "float32"}  # fmt: skip
 _FP16_CHECKPOINT = {**_FP32, "precision": "half_fp16", "remat": "checkpoint-residual-1"}
 _COMBINED = {**_FP16_CHECKPOINT, "accumulate": 10, "density": 0.3, "accumulate_dtype": "float16"}
+# What keeps the frontier's accuracy at one image (issue 36): GroupNorm + WS, dense.
+_GNWS = {**_COMBINED, "accumulate": 100, "density": None, "norm": "group_ws"}
 PAPER_WRN = {
     "baseline_fp32": _FP32,
     "fp16": {**_FP32, "precision": "half_fp16"},
@@ -98,6 +100,8 @@ PAPER_WRN = {
     "fp16_checkpoint3_micro10_sparse30": {**_COMBINED, "remat": "checkpoint-residual-3"},
     "fp16_checkpoint_micro50_sparse30": {**_COMBINED, "accumulate": 50},
     "fp16_checkpoint_micro100_sparse30": {**_COMBINED, "accumulate": 100},
+    "gnws_fp16_checkpoint_micro100": _GNWS,
+    "gnws_fp16_checkpoint_micro100_q8": {**_GNWS, "quantized": True},  # 8-bit momentum
 }
 # (precision, remat, accumulate: "per_sequence" is one sequence per micro-batch, dtype)
 PAPER_LM = {
@@ -316,7 +320,10 @@ def paper_row(name: str, smoke: bool) -> dict:
                                        exclude=el.nn.WideResNet.keep_dense)  # fmt: skip
         batch = (jax.ShapeDtypeStruct((cfg["batch"], *cfg["image"]), jnp.uint8),
                  jax.ShapeDtypeStruct((cfg["batch"],), jnp.int32))  # fmt: skip
-        args = (model, wrn_loss, optax.sgd(0.1, momentum=0.9), batch)
+        optimizer = optax.sgd(0.1, momentum=0.9)
+        if o.get("quantized"):
+            optimizer = el.precision.quantized_state(optimizer)
+        args = (model, wrn_loss, optimizer, batch)
         extra = {"has_state": True, "model_state": state}
     else:
         cfg = SMOKE["lm"] if smoke else LM
