@@ -1,0 +1,48 @@
+"""Forward-mode rules that keep reverse mode's memory: the custom rules of eqx_lowmem's
+layers are `jax.custom_jvp`s whose tangent is a function linear in the tangents, run under
+`jax.checkpoint` with the arrays it needs (the layer's input, not its intermediates).
+
+`jax.jvp` and `jax.jacfwd` use the rule as written. Reverse mode (`jax.grad`) linearises
+it and transposes the tangent function: the `jax.checkpoint` around it makes the backward
+pass keep only those arrays and recompute the rest element-wise, as a hand-written
+`jax.custom_vjp` would, and tangents that are symbolically zero (an input nobody
+differentiates) are left out, so their gradients are never computed."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+
+def is_zero(t: Any) -> bool:
+    """Whether a tangent given to a `symbolic_zeros=True` rule is a symbolic zero."""
+    return isinstance(t, SymbolicZero)
+
+
+def linear_tangent(
+    rule: Callable[[Any, list[Any]], Any], residuals: Any, tangents: Sequence[Any], out: Any
+) -> Any:
+    """`rule(residuals, tangents)` under `jax.checkpoint`, symbolic zeros passed as None.
+
+    Args:
+        rule: the tangent of the layer's output, linear in the tangents that are not None.
+        residuals: the arrays the rule reads besides the tangents; reverse mode keeps these
+            and recomputes everything else the rule computes from them.
+        tangents: the rule's tangents, `SymbolicZero` where no tangent flows.
+        out: the layer's output, for a zero tangent when no tangent flows at all.
+
+    Returns:
+        The output tangent.
+    """
+    mask = tuple(not is_zero(t) for t in tangents)
+    if not any(mask):
+        return jax.tree.map(jnp.zeros_like, out)
+    live = [t for t, m in zip(tangents, mask, strict=True) if m]
+
+    def run(residuals, live):
+        it = iter(live)
+        return rule(residuals, [next(it) if m else None for m in mask])
+
+    return jax.checkpoint(run, prevent_cse=False)(residuals, live)

@@ -1,0 +1,106 @@
+"""Forward-mode autodiff (`jax.jvp`, `jax.jacfwd`) through eqx_lowmem's layers with custom
+rules: their tangents equal those of plain JAX reference code, alone and under vmap."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+
+import eqx_lowmem as el
+from eqx_lowmem.nn._attention import _softmax
+
+from .helpers import tree_allclose
+
+
+def _randomised(module, getkey):
+    """`module` with its floating arrays replaced by random normals (not ones and zeros)."""
+    params, static = eqx.partition(module, eqx.is_inexact_array)
+    leaves, treedef = jax.tree.flatten(params)
+    leaves = [1.0 + 0.3 * jr.normal(getkey(), a.shape, a.dtype) for a in leaves]
+    return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
+
+
+def _jvp_both(f, ref, primals, tangents):
+    y, t = jax.jvp(f, primals, tangents)
+    y_ref, t_ref = jax.jvp(ref, primals, tangents)
+    assert tree_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    assert tree_allclose(t, t_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_layer_norm_jvp_matches_eqx(getkey):
+    ours = _randomised(el.nn.LayerNorm(6), getkey)
+    ref = eqx.nn.LayerNorm(6)
+    ref = eqx.tree_at(lambda m: (m.weight, m.bias), ref, (ours.weight, ours.bias))
+    x, dx = 3.0 + jr.normal(getkey(), (5, 6)), jr.normal(getkey(), (5, 6))
+    dm = _randomised(el.nn.LayerNorm(6), getkey)  # a tangent for the parameters too
+
+    def f(m, x):
+        return jax.vmap(m)(x)
+
+    def g(m, x):
+        r = eqx.tree_at(lambda r: (r.weight, r.bias), ref, (m.weight, m.bias))
+        return jax.vmap(r)(x)
+
+    _jvp_both(f, g, (ours, x), (dm, dx))
+    # jacfwd of one example, and jvp under vmap of jvp's own batch.
+    jac = jax.jacfwd(ours)(x[0])
+    assert tree_allclose(jac, jax.jacfwd(ref)(x[0]), rtol=1e-5, atol=1e-5)
+    per_example = jax.vmap(lambda x, dx: jax.jvp(ours, (x,), (dx,)))(x, dx)
+    assert tree_allclose(per_example, jax.vmap(lambda x, dx: jax.jvp(ref, (x,), (dx,)))(x, dx))
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_group_norm_jvp_matches_plain_jax(getkey, relu):
+    gn = _randomised(el.nn.GroupNorm(2, 4), getkey)
+
+    def reference(m, x):
+        g = x.reshape(2, -1)
+        mean = jnp.mean(g, axis=1, keepdims=True)
+        var = jnp.mean(jnp.square(g - mean), axis=1, keepdims=True)
+        y = ((g - mean) / jnp.sqrt(var + 1e-5)).reshape(x.shape)
+        y = y * m.weight[:, None] + m.bias[:, None]
+        return jax.nn.relu(y) if relu else y
+
+    x, dx = jr.normal(getkey(), (3, 4, 5)), jr.normal(getkey(), (3, 4, 5))
+    dm = _randomised(el.nn.GroupNorm(2, 4), getkey)
+
+    def f(m, x):
+        return jax.vmap(lambda e: m(e, relu=relu))(x)
+
+    def g(m, x):
+        return jax.vmap(lambda e: reference(m, e))(x)
+
+    _jvp_both(f, g, (gn, x), (dm, dx))
+
+
+def test_batch_norm_jvp_matches_plain_jax(getkey):
+    bn = el.nn.BatchNorm(3)
+
+    def reference(w, b, x):  # x: (batch, channels, width)
+        mean = jnp.mean(x, axis=(0, 2), keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), axis=(0, 2), keepdims=True)
+        y = (x - mean) / jnp.sqrt(var + 1e-5)
+        return jax.nn.relu(y * w[None, :, None] + b[None, :, None])
+
+    def f(w, b, x):
+        m = eqx.tree_at(lambda m: (m.weight, m.bias), bn, (w, b))
+        call = jax.vmap(
+            lambda e, s: m(e, s, relu=True), axis_name="batch", in_axes=(0, None),
+            out_axes=(0, None),
+        )  # fmt: skip
+        return call(x, m.init_stats())[0]
+
+    w, b, dw, db = (jr.normal(getkey(), (3,)) for _ in range(4))
+    x, dx = 2.0 + jr.normal(getkey(), (4, 3, 5)), jr.normal(getkey(), (4, 3, 5))
+    _jvp_both(f, reference, (w, b, x), (dw, db, dx))
+
+
+def test_16_bit_softmax_jvp_matches_float32_softmax(getkey):
+    logits, dl = jr.normal(getkey(), (2, 3, 7)), jr.normal(getkey(), (2, 3, 7))
+    y, t = jax.jvp(lambda z: _softmax(z, jnp.dtype(jnp.bfloat16)), (logits,), (dl,))
+    y_ref, t_ref = jax.jvp(lambda z: jax.nn.softmax(z, axis=-1), (logits,), (dl,))
+    assert y.dtype == t.dtype == jnp.bfloat16
+    # One bfloat16 rounding of each (8 bits of mantissa).
+    assert tree_allclose(t.astype(jnp.float32), t_ref, rtol=2**-7, atol=2**-8)
+    assert tree_allclose(y.astype(jnp.float32), y_ref, rtol=2**-7, atol=2**-8)
