@@ -104,3 +104,63 @@ def test_16_bit_softmax_jvp_matches_float32_softmax(getkey):
     # One bfloat16 rounding of each (8 bits of mantissa).
     assert tree_allclose(t.astype(jnp.float32), t_ref, rtol=2**-7, atol=2**-8)
     assert tree_allclose(y.astype(jnp.float32), y_ref, rtol=2**-7, atol=2**-8)
+
+
+@pytest.mark.parametrize("remat", [False, True, "minimal"])
+def test_transformer_block_jvp_agrees_with_its_gradient(getkey, remat):
+    # <ct, J dx> from forward mode equals <J^T ct, dx> from reverse mode (which the other
+    # tests check against plain autodiff), under vmap over a batch.
+    block = el.nn.TransformerBlock(16, 2, 24, key=getkey(), remat=remat)
+    params, static = eqx.partition(block, eqx.is_inexact_array)
+    x, dx, ct = (jr.normal(getkey(), (3, 6, 16)) for _ in range(3))
+    dp = jax.tree.map(lambda a: jr.normal(getkey(), a.shape), params)
+
+    def f(p, x):
+        return jax.vmap(eqx.combine(p, static))(x)
+
+    _, t = jax.jvp(f, (params, x), (dp, dx))
+    gp, gx = jax.grad(lambda p, x: jnp.sum(f(p, x) * ct), argnums=(0, 1))(params, x)
+    pairs = jax.tree.leaves(jax.tree.map(lambda g, d: jnp.sum(g * d), (gp, gx), (dp, dx)))
+    assert tree_allclose(jnp.sum(t * ct), sum(pairs), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("stride, padding", [(1, 1), (2, "SAME")])
+def test_convolution_jvp_under_vmap_matches_eqx(getkey, stride, padding):
+    # Under vmap, conv2d runs one batched canonical convolution (a custom rule); its
+    # tangent equals eqx.nn.Conv2d's, kernel and input both varying.
+    from eqx_lowmem.nn._conv import conv2d
+
+    layer = eqx.nn.Conv2d(3, 4, 3, stride=stride, padding=padding, key=getkey())
+    dlayer = eqx.nn.Conv2d(3, 4, 3, stride=stride, padding=padding, key=getkey())
+    x, dx = jr.normal(getkey(), (5, 3, 9, 9)), jr.normal(getkey(), (5, 3, 9, 9))
+    params, static = eqx.partition(layer, eqx.is_inexact_array)
+    dparams = eqx.filter(dlayer, eqx.is_inexact_array)
+
+    def ours(p, x):
+        return jax.vmap(lambda e: conv2d(eqx.combine(p, static), e))(x)
+
+    def ref(p, x):
+        return jax.vmap(eqx.combine(p, static))(x)
+
+    _jvp_both(ours, ref, (params, x), (dparams, dx))
+    # jvp inside the vmap: per example, the plain layer.
+    per = jax.vmap(lambda x, dx: jax.jvp(lambda e: ours(params, e[None])[0], (x,), (dx,)))(x, dx)
+    assert tree_allclose(per, jax.jvp(lambda x: ref(params, x), (x,), (dx,)), atol=1e-5)
+
+
+@pytest.mark.slow  # 14 s: a WideResNet forward, backward and jvp
+def test_wide_resnet_jvp_agrees_with_its_gradient(getkey):
+    model, state = eqx.nn.make_with_state(el.nn.WideResNet)(10, 1, 10, key=getkey(),
+                                                          in_channels=1)  # fmt: skip
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    x, dx = jr.normal(getkey(), (4, 1, 8, 8)), jr.normal(getkey(), (4, 1, 8, 8))
+    dp = jax.tree.map(lambda a: jr.normal(getkey(), a.shape), params)
+    ct = jr.normal(getkey(), (4, 10))
+
+    def f(p, x):
+        return eqx.combine(p, static).batched(x, state)[0]
+
+    _, t = jax.jvp(f, (params, x), (dp, dx))
+    gp, gx = jax.grad(lambda p, x: jnp.sum(f(p, x) * ct), argnums=(0, 1))(params, x)
+    pairs = jax.tree.leaves(jax.tree.map(lambda g, d: jnp.sum(g * d), (gp, gx), (dp, dx)))
+    assert tree_allclose(jnp.sum(t * ct), sum(pairs), rtol=1e-4, atol=1e-4)
