@@ -138,8 +138,11 @@ def _forwarded_input(eqn, inner, var) -> Any | None:
 
 
 def _is_no_op(eqn) -> bool:
-    """A `reduce_precision` to its operand's own precision (`jax.checkpoint` puts one on
-    each residual it forwards; XLA removes it): the same bytes."""
+    """A `copy` (lowered to no operation: the rules' `eqx_lowmem.nn._jvp.rule_input`) or a
+    `reduce_precision` to its operand's own precision (`jax.checkpoint` puts one on each
+    residual it forwards; XLA removes it): the same bytes."""
+    if eqn.primitive.name == "copy":
+        return True
     if eqn.primitive.name != "reduce_precision":
         return False
     dtype = eqn.invars[0].aval.dtype

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._jvp import linear_tangent
+from ._jvp import linear_tangent, rule_input
 from ._trace import vmap_rule
 
 # (window strides, explicit (low, high) padding per spatial axis, kernel dilation)
@@ -202,8 +202,10 @@ def batch_conv(conv: Conv) -> Callable[[Array, Array], Array]:
 
     @functools.partial(f.defjvp, symbolic_zeros=True)
     def f_jvp(primals, tangents):
-        y = f(*primals)
-        return y, linear_tangent(functools.partial(_tangent, conv), primals, tangents, y)
+        w, x = primals
+        y = f(w, x)
+        rule = functools.partial(_tangent, conv)
+        return y, linear_tangent(rule, (w, rule_input(x)), tangents, y)
 
     return f
 

@@ -14,11 +14,30 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
+from jaxtyping import Array
 
 
 def is_zero(t: Any) -> bool:
     """Whether a tangent given to a `symbolic_zeros=True` rule is a symbolic zero."""
     return isinstance(t, SymbolicZero)
+
+
+def rule_input(x: Array) -> Array:
+    """`x` as a value of its own (`jnp.copy`, which lowers to no HLO operation at all), to be
+    the input that every custom rule of one layer reads.
+
+    Under an outer `jax.checkpoint` whose policy saves `x` (a selective preset that saves a
+    named value the layer reads: WideResNet's `conv1` into its second BatchNorm under
+    `"minimal"`, a transformer's `ffn_hidden` into its GELU), each rule's own
+    `jax.checkpoint` would forward the saved `x` as a residual of its own, which a scan
+    then stacks once more per rule. The copy is not saved by such a policy (it has no
+    name): the outer checkpoint recomputes it from the saved `x`, so the rules read it
+    without a residual of their own. Without an outer checkpoint the copy is the residual,
+    the same buffer as `x`. A layer calls this once and passes the result to all its rules
+    (two copies would be two residuals of a scan); a rule whose residual is the layer's
+    output (the softmax's) does not, since a later layer keeps that output anyway.
+    """
+    return jnp.copy(x)
 
 
 def linear_tangent(

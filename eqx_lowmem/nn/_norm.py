@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from ._jvp import linear_tangent
+from ._jvp import linear_tangent, rule_input
 
 
 def _stats(x32: Array, eps: float) -> tuple[Array, Array]:
@@ -59,7 +59,7 @@ def _layer_norm_jvp(eps, primals, tangents):
     x, weight, bias = primals
     y = _layer_norm(x, weight, bias, eps)
     rule = functools.partial(_layer_norm_tangent, eps)
-    return y, linear_tangent(rule, (x, weight), tangents, y)
+    return y, linear_tangent(rule, (rule_input(x), weight), tangents, y)
 
 
 class LayerNorm(eqx.Module):
@@ -261,6 +261,7 @@ class BatchNorm(eqx.Module):
                 f"channels on axis 0, got shape {x.shape}; jax.vmap over the batch."
             )
         running_mean, running_var = stats
+        x = rule_input(x)  # one residual for _moments and _normalise (_jvp.rule_input)
         if self.inference:
             mean, var, new_stats = running_mean, running_var, stats
         else:
@@ -373,6 +374,7 @@ class GroupNorm(eqx.Module):
                 f"{self.channels} channels on axis 0, got shape {x.shape}; jax.vmap over the "
                 "batch."
             )
+        x = rule_input(x)  # one residual for _moments and _normalise (_jvp.rule_input)
         axes = tuple(range(1, x.ndim))
         # Shifted per-channel moments averaged over each group (equal-sized channels): the
         # group's mean and variance, as accurate as a two-pass variance.
