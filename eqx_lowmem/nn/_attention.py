@@ -149,8 +149,11 @@ def _softmax(logits: Array, dtype: jnp.dtype) -> Array:
 
 def _softmax_tangent(y: Array, tangents: list) -> Array:
     (dlogits,) = tangents
-    y32, d32 = y.astype(jnp.float32), dlogits.astype(jnp.float32)
-    return (y32 * (d32 - jnp.sum(d32 * y32, axis=-1, keepdims=True))).astype(y.dtype)
+    # Written so that its transpose, reverse mode's, is y * (g - sum(g * y)) op for op, as
+    # the custom_vjp's backward pass was (XLA then packs the same temporaries).
+    y32 = y.astype(jnp.float32)
+    u = y32 * dlogits.astype(jnp.float32)
+    return (u - y32 * jnp.sum(u, axis=-1, keepdims=True)).astype(y.dtype)
 
 
 @functools.partial(_softmax.defjvp, symbolic_zeros=True)

@@ -6,7 +6,9 @@ layers are `jax.custom_jvp`s whose tangent is a function linear in the tangents,
 it and transposes the tangent function: the `jax.checkpoint` around it makes the backward
 pass keep only those arrays and recompute the rest element-wise, as a hand-written
 `jax.custom_vjp` would, and tangents that are symbolically zero (an input nobody
-differentiates) are left out, so their gradients are never computed."""
+differentiates) are left out, so their gradients are never computed. A rule is written so
+that its transpose runs the ops of the hand-written backward pass it replaces in the same
+order (JAX transposes in reverse order): the compiled step's temporaries then match."""
 
 from collections.abc import Callable, Sequence
 from typing import Any

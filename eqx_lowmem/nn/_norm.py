@@ -41,11 +41,14 @@ def _layer_norm_tangent(eps: float, res: tuple[Array, Array], tangents: list) ->
     xhat = (x32 - mean) * rstd
     t = jnp.zeros_like(x32)
     if dx is not None:
-        d = dx.astype(jnp.float32)
-        dxhat = rstd * (
-            d - jnp.mean(d, axis=-1, keepdims=True)
-            - xhat * jnp.mean(d * xhat, axis=-1, keepdims=True)
-        )  # fmt: skip
+        # rstd first: reverse mode transposes the ops in reverse order, so it applies rstd
+        # last, as the custom_vjp's backward pass did (XLA then packs the same temporaries).
+        e = dx.astype(jnp.float32) * rstd
+        dxhat = (
+            e
+            - jnp.mean(e, axis=-1, keepdims=True)
+            - xhat * jnp.mean(e * xhat, axis=-1, keepdims=True)
+        )
         t = t + dxhat * _last_axis(weight, x.ndim)
     if dweight is not None:
         t = t + xhat * _last_axis(dweight, x.ndim)
