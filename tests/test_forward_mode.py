@@ -221,3 +221,11 @@ def test_wide_resnet_jvp_agrees_with_its_gradient(getkey):
     gp, gx = jax.grad(lambda p, x: jnp.sum(f(p, x) * ct), argnums=(0, 1))(params, x)
     pairs = jax.tree.leaves(jax.tree.map(lambda g, d: jnp.sum(g * d), (gp, gx), (dp, dx)))
     assert tree_allclose(jnp.sum(t * ct), sum(pairs), rtol=1e-4, atol=1e-4)
+
+
+def test_a_sparse_layer_jvp_of_one_example_matches_its_dense_layer(getkey):
+    # Reverse mode only under vmap (a custom_vjp, README); one example takes jax.jvp.
+    dense = eqx.nn.Linear(8, 4, key=getkey())
+    sparse = el.sparse.SparseLinear.from_dense(dense, 0.5, key=getkey())
+    x, dx = jr.normal(getkey(), (8,)), jr.normal(getkey(), (8,))
+    _jvp_both(sparse, sparse.to_dense(), (x,), (dx,))
