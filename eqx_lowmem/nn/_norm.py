@@ -111,6 +111,7 @@ def _moments(x: Array, shift: Array) -> tuple[Array, Array]:
 
 
 def _moments_tangent(res: tuple[Array, Array], tangents: list) -> tuple[Array, Array]:
+    # Transposed by reverse mode into (d1 + 2 (x - shift) d2) / n, the former backward pass.
     x, shift = res
     dx, dshift = tangents
     axes = tuple(range(1, x.ndim))
@@ -118,7 +119,8 @@ def _moments_tangent(res: tuple[Array, Array], tangents: list) -> tuple[Array, A
     dd = jnp.zeros_like(d) if dx is None else dx.astype(jnp.float32)
     if dshift is not None:
         dd = dd - _channels(dshift, x.ndim)
-    return jnp.mean(dd, axis=axes), jnp.mean(2.0 * d * dd, axis=axes)
+    u = dd / math.prod(x.shape[1:])
+    return jnp.sum(u, axis=axes), jnp.sum(2.0 * d * u, axis=axes)
 
 
 @functools.partial(_moments.defjvp, symbolic_zeros=True)
@@ -137,25 +139,28 @@ def _normalise(x: Array, mean: Array, rstd: Array, weight: Array, bias: Array, r
 
 
 def _normalise_tangent(relu: bool, res: tuple, tangents: list) -> Array:
+    # Written in the reverse order of the former backward pass, which reverse mode's
+    # transpose then runs op for op: the ReLU's mask, the weight's and the bias's
+    # gradients, then the input's, the mean's and the scale's.
     x, mean, rstd, weight, bias = res
     dx, dmean, drstd, dweight, dbias = tangents
     k = x.ndim
-    centred = x.astype(jnp.float32) - _channels(mean, k)
-    t = jnp.zeros_like(centred)
+    xhat = (x.astype(jnp.float32) - _channels(mean, k)) * _channels(rstd, k)
+    t = jnp.zeros_like(xhat)
     if dx is not None:
         t = t + dx.astype(jnp.float32)
     if dmean is not None:
         t = t - _channels(dmean, k)
-    t = t * _channels(rstd * weight, k)
+    t = t * _channels(rstd, k)
     if drstd is not None:
-        t = t + centred * _channels(drstd * weight, k)
-    if dweight is not None:
-        t = t + centred * _channels(rstd * dweight, k)
+        t = t + xhat * _channels(drstd / rstd, k)
+    t = t * _channels(weight, k)
     if dbias is not None:
         t = t + _channels(dbias, k)
+    if dweight is not None:
+        t = t + xhat * _channels(dweight, k)
     if relu:  # the ReLU's mask, recomputed from the input rather than kept
-        pre = centred * _channels(rstd * weight, k) + _channels(bias, k)
-        t = jnp.where(pre > 0, t, 0.0)
+        t = jnp.where(xhat * _channels(weight, k) + _channels(bias, k) > 0, t, 0.0)
     return t.astype(x.dtype)
 
 
