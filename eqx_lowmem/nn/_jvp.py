@@ -18,6 +18,11 @@ import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array
 
+# The named scope of every rule's tangent: reverse mode recomputes what the rule needs
+# inside it (under `jax.checkpoint`'s "rematted_computation"), and `eqx_lowmem.memory`
+# counts that working set as the backward pass's, as it did the hand-written ones'.
+RULE_SCOPE = "eqx_lowmem.nn.rule"
+
 
 def is_zero(t: Any) -> bool:
     """Whether a tangent given to a `symbolic_zeros=True` rule is a symbolic zero."""
@@ -64,6 +69,7 @@ def linear_tangent(
 
     def run(residuals, live):
         it = iter(live)
-        return rule(residuals, [next(it) if m else None for m in mask])
+        with jax.named_scope(RULE_SCOPE):
+            return rule(residuals, [next(it) if m else None for m in mask])
 
     return jax.checkpoint(run, prevent_cse=False)(residuals, live)
