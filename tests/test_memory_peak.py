@@ -1,6 +1,7 @@
 """The report's reading of the compiled peak: what is live at it, from XLA's buffer
 assignment, by part (compile only)."""
 
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 import eqx_lowmem as el
 from eqx_lowmem.memory import _peak as el_peak
 from eqx_lowmem.memory._peak import PEAK_PARTS
+from eqx_lowmem.nn._jvp import RULE_SCOPE
 
 from .helpers import users_env
 
@@ -102,3 +104,19 @@ def test_the_peak_is_read_whatever_the_users_xla_flags_turn_off():
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
+
+
+def test_a_layers_own_rule_recomputes_as_part_of_the_backward_pass():
+    # LayerNorm's rule recomputes its normalised input in reverse mode inside its
+    # tangent's jax.checkpoint (nn/_jvp): the report counts that as the backward pass's, as
+    # it did the former custom_vjp's, and only remat's own recomputation as recomputation.
+    ln, x = el.nn.LayerNorm(8), jnp.ones((4, 8))
+    lowered = jax.jit(jax.grad(lambda x: jnp.sum(jax.vmap(ln)(x) ** 2))).lower(x)
+    names = re.findall(r'loc\("([^"]*rematted_computation[^"]*)"', lowered.as_text(debug_info=True))
+    assert names and all(RULE_SCOPE in n for n in names)
+
+    def part(op_name):
+        return el_peak._by_op_name(el_peak._Instruction("c", "multiply", "f32[4]", (), op_name, ()))
+
+    assert {part(n) for n in names} == {"backward"}
+    assert part(names[0].replace(RULE_SCOPE, "eqx_lowmem.nn.TransformerBlock")) == "recomputation"

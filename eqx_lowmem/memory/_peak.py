@@ -19,6 +19,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from ..nn._jvp import RULE_SCOPE
+
 # Parts of the live set at the peak, in the order they are printed.
 PEAK_PARTS: tuple[str, ...] = (
     "parameters",
@@ -372,7 +374,8 @@ def _by_op_name(ins: _Instruction) -> str | None:
     if not op:
         return None
     if "rematted_computation" in op:
-        return "recomputation"
+        # A layer's own rule (nn/_jvp) recomputes inside its backward pass: not remat's.
+        return "backward" if RULE_SCOPE in op else "recomputation"
     if "transpose(" in op:
         # A loop of the backward pass carries the gradients of its stack's parameters.
         return "gradients" if ins.opcode == "while" else "backward"

@@ -125,6 +125,36 @@ def _is_view(eqn) -> bool:
     return dims is None or list(dims) == sorted(dims)
 
 
+def _forwarded_input(eqn, inner, var) -> Any | None:
+    """The operand of call-like `eqn` that is `inner`'s input `var`, when the call's inputs
+    map one to one onto its sub-jaxpr's (not a scan's); else None."""
+    if eqn.primitive.name == "scan" or len(inner.invars) != len(eqn.invars):
+        return None
+    ids = [id(v) for v in inner.invars]
+    if id(var) not in ids:
+        return None
+    outer = eqn.invars[ids.index(id(var))]
+    return None if isinstance(outer, jex_core.Literal) else outer
+
+
+def _is_no_op(eqn) -> bool:
+    """A `copy` (lowered to no operation: the rules' `eqx_lowmem.nn._jvp.rule_input`) or a
+    `reduce_precision` to its operand's own precision (`jax.checkpoint` puts one on each
+    residual it forwards; XLA removes it): the same bytes."""
+    if eqn.primitive.name == "copy":
+        return True
+    if eqn.primitive.name != "reduce_precision":
+        return False
+    dtype = eqn.invars[0].aval.dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return False
+    finfo = jnp.finfo(dtype)
+    return (eqn.params.get("exponent_bits"), eqn.params.get("mantissa_bits")) == (
+        finfo.nexp,
+        finfo.nmant,
+    )
+
+
 def _describe(var, jaxpr, depth: int = 0) -> _Origin:
     """Where a var of `jaxpr` comes from: its checkpoint name, primitive, loops and scopes."""
     producers = {id(v): eqn for eqn in jaxpr.eqns for v in eqn.outvars}
@@ -148,6 +178,14 @@ def _describe(var, jaxpr, depth: int = 0) -> _Origin:
             if isinstance(inner_var, jex_core.Literal):
                 return _Origin(None, prim, var, loops, scope, tuple(chain))
             got = _describe(inner_var, inner, depth)
+            forwarded = _forwarded_input(eqn, inner, got.var)
+            if got.prim == "input" and forwarded is not None:
+                # An input passed through the call (a `jax.checkpoint` forwarding its
+                # input as a residual): the same buffer as that input, out here.
+                chain.extend(got.chain)
+                var = forwarded
+                eqn = producers.get(id(var))
+                continue
             return _Origin(
                 got.name,
                 prim if got.prim == "input" else got.prim,
@@ -157,7 +195,7 @@ def _describe(var, jaxpr, depth: int = 0) -> _Origin:
                 tuple(chain),
             )
         if prim in _TRANSPARENT and not isinstance(eqn.invars[0], jex_core.Literal):
-            if not _is_view(eqn):
+            if not _is_view(eqn) and not _is_no_op(eqn):
                 chain.append(f"{prim}{sorted((k, str(v)) for k, v in eqn.params.items())}")
             var = eqn.invars[0]
             eqn = producers.get(id(var))

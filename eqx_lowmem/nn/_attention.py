@@ -23,6 +23,7 @@ import jax.random as jr
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ._chunk import map_chunks
+from ._jvp import linear_tangent
 
 ATTENTIONS: tuple[str, ...] = ("auto", "chunked", "xla", "cudnn")
 # cuDNN's flash attention: 16-bit inputs, head dim a multiple of 8 up to 128 (256 on Hopper
@@ -132,7 +133,7 @@ def resolve_attention(
     return "chunked" if _cudnn_unusable(dtype, backend, head_dim) else "cudnn"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _softmax(logits: Array, dtype: jnp.dtype) -> Array:
     """Softmax over the last axis computed in float32, returned in 16-bit `dtype`.
 
@@ -140,23 +141,25 @@ def _softmax(logits: Array, dtype: jnp.dtype) -> Array:
     anyway; autodiff of `jax.nn.softmax` followed by a cast would keep its float32
     exponentials and float32 output as well: three `(heads, q, kv)` arrays' worth of bytes
     instead of one. The gradient is computed in float32 from the 16-bit output (error of
-    the order of the 16-bit rounding the logits' gradient gets anyway).
+    the order of the 16-bit rounding the logits' gradient gets anyway). Forward mode
+    (`jax.jvp`) computes the tangent the same way (`eqx_lowmem.nn._jvp`).
     """
     return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(dtype)
 
 
-def _softmax_fwd(logits, dtype):
-    y = _softmax(logits, dtype)
-    return y, y
+def _softmax_tangent(y: Array, tangents: list) -> Array:
+    (dlogits,) = tangents
+    # Written so that its transpose, reverse mode's, is y * (g - sum(g * y)) op for op, as
+    # the custom_vjp's backward pass was (XLA then packs the same temporaries).
+    y32 = y.astype(jnp.float32)
+    u = y32 * dlogits.astype(jnp.float32)
+    return (u - y32 * jnp.sum(u, axis=-1, keepdims=True)).astype(y.dtype)
 
 
-def _softmax_bwd(dtype, y, g):
-    del dtype
-    y32, g32 = y.astype(jnp.float32), g.astype(jnp.float32)
-    return (y32 * (g32 - jnp.sum(g32 * y32, axis=-1, keepdims=True)),)
-
-
-_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+@functools.partial(_softmax.defjvp, symbolic_zeros=True)
+def _softmax_jvp(dtype, primals, tangents):
+    y = _softmax(*primals, dtype)
+    return y, linear_tangent(_softmax_tangent, y, tangents, y)
 
 
 def _dropout_weights(weights: Array, rate: float, key: PRNGKeyArray, q_start: Array) -> Array:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from ._jvp import linear_tangent, rule_input
 from ._trace import vmap_rule
 
 # (window strides, explicit (low, high) padding per spatial axis, kernel dilation)
@@ -185,23 +186,48 @@ def _canonical_weight_grad(x: Array, g: Array, kernel: tuple[int, ...], conv: Co
 
 @functools.cache
 def batch_conv(conv: Conv) -> Callable[[Array, Array], Array]:
-    """`f(w, x)`: `conv_forward` over a batch with the canonical backward pass above."""
+    """`f(w, x)`: `conv_forward` over a batch with the canonical backward pass above.
 
-    @jax.custom_vjp
+    A `jax.custom_jvp` whose tangent is written as the transposes of the two gradients
+    (`jax.linear_transpose` of `conv_input_grad` and `conv_weight_grad`): reverse mode
+    transposes them back into exactly those gradients' convolutions, and forward mode
+    (`jax.jvp`) computes the tangent with the same canonical convolutions. A symbolically
+    zero tangent (an input or a kernel nobody differentiates) is left out: its gradient is
+    never computed.
+    """
+
+    @jax.custom_jvp
     def f(w, x):
         return conv_forward(x, w, conv)
 
-    def fwd(w, x):
-        return conv_forward(x, w, conv), (w, x)
+    @functools.partial(f.defjvp, symbolic_zeros=True)
+    def f_jvp(primals, tangents):
+        w, x = primals
+        y = f(w, x)
+        rule = functools.partial(_tangent, conv)
+        return y, linear_tangent(rule, (w, rule_input(x)), tangents, y)
 
-    def bwd(res, g):
-        w, x = res
-        dx = conv_input_grad(g, w, x.shape[2:], conv)
-        dw = conv_weight_grad(x, g, w.shape[2:], conv)
-        return dw.astype(w.dtype), dx.astype(x.dtype)
-
-    f.defvjp(fwd, bwd)
     return f
+
+
+def _tangent(conv: Conv, primals: tuple[Array, Array], tangents: list) -> Array:
+    """The output's tangent: the transposes of the input and weight gradients (each left
+    out where its tangent is a symbolic zero, None here)."""
+    w, x = primals
+    dw, dx = tangents
+    g = jax.ShapeDtypeStruct((x.shape[0], w.shape[0], *_out_spatial(x, w, conv)), x.dtype)
+    t = []
+    if dx is not None:
+        input_grad = functools.partial(conv_input_grad, w=w, in_spatial=x.shape[2:], conv=conv)
+        t.append(jax.linear_transpose(lambda g: input_grad(g).astype(x.dtype), g)(dx)[0])
+    if dw is not None:
+        weight_grad = functools.partial(conv_weight_grad, x, kernel=w.shape[2:], conv=conv)
+        t.append(jax.linear_transpose(lambda g: weight_grad(g).astype(w.dtype), g)(dw)[0])
+    return functools.reduce(operator.add, t)
+
+
+def _out_spatial(x: Array, w: Array, conv: Conv) -> tuple[int, ...]:
+    return jax.eval_shape(lambda x, w: conv_forward(x, w, conv), x, w).shape[2:]
 
 
 @functools.cache

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ._jvp import linear_tangent, rule_input
+
 
 def _stats(x32: Array, eps: float) -> tuple[Array, Array]:
     mean = jnp.mean(x32, axis=-1, keepdims=True)
@@ -21,7 +23,7 @@ def _last_axis(v: Array, ndim: int) -> Array:
     return v.astype(jnp.float32).reshape((1,) * (ndim - 1) + (-1,))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def _layer_norm(x: Array, weight: Array, bias: Array, eps: float) -> Array:
     x32 = x.astype(jnp.float32)
     mean, rstd = _stats(x32, eps)
@@ -29,29 +31,38 @@ def _layer_norm(x: Array, weight: Array, bias: Array, eps: float) -> Array:
     return y.astype(x.dtype)
 
 
-def _layer_norm_fwd(x, weight, bias, eps):
-    return _layer_norm(x, weight, bias, eps), (x, weight, bias)
-
-
-def _layer_norm_bwd(eps, res, dy):
-    # Recompute the normalised input from x rather than keep it: the backward pass holds
-    # x (which the caller keeps anyway) instead of three activation-sized buffers.
-    x, weight, bias = res
+def _layer_norm_tangent(eps: float, res: tuple[Array, Array], tangents: list) -> Array:
+    # Reverse mode keeps x (which the caller keeps anyway) and recomputes the normalised
+    # input from it, rather than keeping three activation-sized buffers (_jvp).
+    x, weight = res
+    dx, dweight, dbias = tangents
     x32 = x.astype(jnp.float32)
     mean, rstd = _stats(x32, eps)
     xhat = (x32 - mean) * rstd
-    dy32 = dy.astype(jnp.float32)
-    axes = tuple(range(dy.ndim - 1))
-    dweight = jnp.sum(dy32 * xhat, axis=axes).astype(weight.dtype)
-    dbias = jnp.sum(dy32, axis=axes).astype(bias.dtype)
-    g = dy32 * _last_axis(weight, dy.ndim)
-    dx = rstd * (
-        g - jnp.mean(g, axis=-1, keepdims=True) - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True)
-    )
-    return dx.astype(x.dtype), dweight, dbias
+    t = jnp.zeros_like(x32)
+    if dx is not None:
+        # rstd first: reverse mode transposes the ops in reverse order, so it applies rstd
+        # last, as the custom_vjp's backward pass did (XLA then packs the same temporaries).
+        e = dx.astype(jnp.float32) * rstd
+        dxhat = (
+            e
+            - jnp.mean(e, axis=-1, keepdims=True)
+            - xhat * jnp.mean(e * xhat, axis=-1, keepdims=True)
+        )
+        t = t + dxhat * _last_axis(weight, x.ndim)
+    if dweight is not None:
+        t = t + xhat * _last_axis(dweight, x.ndim)
+    if dbias is not None:
+        t = t + _last_axis(dbias, x.ndim)
+    return t.astype(x.dtype)
 
 
-_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+@functools.partial(_layer_norm.defjvp, symbolic_zeros=True)
+def _layer_norm_jvp(eps, primals, tangents):
+    x, weight, bias = primals
+    y = _layer_norm(x, weight, bias, eps)
+    rule = functools.partial(_layer_norm_tangent, eps)
+    return y, linear_tangent(rule, (rule_input(x), weight), tangents, y)
 
 
 class LayerNorm(eqx.Module):
@@ -85,13 +96,13 @@ def _channels(v: Array, ndim: int) -> Array:
 
 
 # BatchNorm's autodiff would keep the centred input, the normalised input, the ReLU mask
-# and the output: four activation-sized buffers per layer. The two custom backward passes
+# and the output: four activation-sized buffers per layer. The two custom rules (_jvp)
 # below keep only the input (which the layer before keeps anyway) and recompute the rest,
 # the ReLU's mask included, element-wise. Neither backward pass needs a collective: the
 # batch reductions stay in plain, differentiated code.
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _moments(x: Array, shift: Array) -> tuple[Array, Array]:
     """Per-channel mean of `x - shift` and of its square over one example's spatial axes."""
     d = x.astype(jnp.float32) - _channels(shift, x.ndim)
@@ -99,23 +110,26 @@ def _moments(x: Array, shift: Array) -> tuple[Array, Array]:
     return jnp.mean(d, axis=axes), jnp.mean(jnp.square(d), axis=axes)
 
 
-def _moments_fwd(x, shift):
-    return _moments(x, shift), (x, shift)
-
-
-def _moments_bwd(res, cot):
+def _moments_tangent(res: tuple[Array, Array], tangents: list) -> tuple[Array, Array]:
+    # Transposed by reverse mode into (d1 + 2 (x - shift) d2) / n, the former backward pass.
     x, shift = res
-    d1, d2 = cot
-    n = math.prod(x.shape[1:])
+    dx, dshift = tangents
+    axes = tuple(range(1, x.ndim))
     d = x.astype(jnp.float32) - _channels(shift, x.ndim)
-    dx = (_channels(d1, x.ndim) + 2.0 * d * _channels(d2, x.ndim)) / n
-    return dx.astype(x.dtype), jnp.zeros_like(shift)
+    dd = jnp.zeros_like(d) if dx is None else dx.astype(jnp.float32)
+    if dshift is not None:
+        dd = dd - _channels(dshift, x.ndim)
+    u = dd / math.prod(x.shape[1:])
+    return jnp.sum(u, axis=axes), jnp.sum(2.0 * d * u, axis=axes)
 
 
-_moments.defvjp(_moments_fwd, _moments_bwd)
+@functools.partial(_moments.defjvp, symbolic_zeros=True)
+def _moments_jvp(primals, tangents):
+    out = _moments(*primals)
+    return out, linear_tangent(_moments_tangent, primals, tangents, out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
 def _normalise(x: Array, mean: Array, rstd: Array, weight: Array, bias: Array, relu: bool):
     """`act((x - mean) * rstd * weight + bias)` in float32, in `x`'s dtype."""
     x32 = x.astype(jnp.float32)
@@ -124,34 +138,37 @@ def _normalise(x: Array, mean: Array, rstd: Array, weight: Array, bias: Array, r
     return (jax.nn.relu(y) if relu else y).astype(x.dtype)
 
 
-def _normalise_fwd(x, mean, rstd, weight, bias, relu):
-    return _normalise(x, mean, rstd, weight, bias, relu), (x, mean, rstd, weight, bias)
-
-
-def _normalise_bwd(relu, res, dy):
+def _normalise_tangent(relu: bool, res: tuple, tangents: list) -> Array:
+    # Written in the reverse order of the former backward pass, which reverse mode's
+    # transpose then runs op for op: the ReLU's mask, the weight's and the bias's
+    # gradients, then the input's, the mean's and the scale's.
     x, mean, rstd, weight, bias = res
+    dx, dmean, drstd, dweight, dbias = tangents
     k = x.ndim
-    g = dy.astype(jnp.float32)
-    axes = tuple(range(1, k))
     xhat = (x.astype(jnp.float32) - _channels(mean, k)) * _channels(rstd, k)
+    t = jnp.zeros_like(xhat)
+    if dx is not None:
+        t = t + dx.astype(jnp.float32)
+    if dmean is not None:
+        t = t - _channels(dmean, k)
+    t = t * _channels(rstd, k)
+    if drstd is not None:
+        t = t + xhat * _channels(drstd / rstd, k)
+    t = t * _channels(weight, k)
+    if dbias is not None:
+        t = t + _channels(dbias, k)
+    if dweight is not None:
+        t = t + xhat * _channels(dweight, k)
     if relu:  # the ReLU's mask, recomputed from the input rather than kept
-        g = jnp.where(xhat * _channels(weight, k) + _channels(bias, k) > 0, g, 0.0)
-    dweight = jnp.sum(g * xhat, axis=axes)
-    dbias = jnp.sum(g, axis=axes)
-    gw = g * _channels(weight, k)
-    dx = gw * _channels(rstd, k)
-    dmean = -jnp.sum(dx, axis=axes)
-    drstd = jnp.sum(gw * xhat, axis=axes) / rstd
-    return (
-        dx.astype(x.dtype),
-        dmean.astype(mean.dtype),
-        drstd.astype(rstd.dtype),
-        dweight.astype(weight.dtype),
-        dbias.astype(bias.dtype),
-    )
+        t = jnp.where(xhat * _channels(weight, k) + _channels(bias, k) > 0, t, 0.0)
+    return t.astype(x.dtype)
 
 
-_normalise.defvjp(_normalise_fwd, _normalise_bwd)
+@functools.partial(_normalise.defjvp, symbolic_zeros=True)
+def _normalise_jvp(relu, primals, tangents):
+    y = _normalise(*primals, relu)
+    rule = functools.partial(_normalise_tangent, relu)
+    return y, linear_tangent(rule, primals, tangents, y)
 
 
 def _batch_size(axis_name: str) -> Array:
@@ -252,6 +269,7 @@ class BatchNorm(eqx.Module):
                 f"channels on axis 0, got shape {x.shape}; jax.vmap over the batch."
             )
         running_mean, running_var = stats
+        x = rule_input(x)  # one residual for _moments and _normalise (_jvp.rule_input)
         if self.inference:
             mean, var, new_stats = running_mean, running_var, stats
         else:
@@ -364,6 +382,7 @@ class GroupNorm(eqx.Module):
                 f"{self.channels} channels on axis 0, got shape {x.shape}; jax.vmap over the "
                 "batch."
             )
+        x = rule_input(x)  # one residual for _moments and _normalise (_jvp.rule_input)
         axes = tuple(range(1, x.ndim))
         # Shifted per-channel moments averaged over each group (equal-sized channels): the
         # group's mean and variance, as accurate as a two-pass variance.

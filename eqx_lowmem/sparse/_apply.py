@@ -10,11 +10,9 @@ are temporaries of one layer at a time, never residuals kept for the whole netwo
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array
 
 from ..nn._conv import (
@@ -24,16 +22,12 @@ from ..nn._conv import (
     conv_weight_grad,
     explicit_padding,
 )
+from ..nn._jvp import is_zero
 from ..nn._trace import vmap_rule
 from ._storage import _gather, _scatter, is_bitset
 
 # The dense operation of a layer over a batch `(n, *example)`, from its static description:
 # ("linear",) or ("conv", stride, padding, dilation, groups).
-
-
-def is_zero(t: Any) -> bool:
-    """Whether a cotangent given to a `symbolic_zeros=True` rule is a symbolic zero."""
-    return isinstance(t, SymbolicZero)
 
 
 def _batched_op(op: tuple, weight: Array, x: Array) -> Array:

@@ -284,6 +284,11 @@ class SparseLinear(_Sparse):
     one gather of the weight gradient; a bit set instead walks the dense weight's bits for
     each of the three (see the note on storage in `_storage.py`).
 
+    Reverse mode only under `jax.vmap`: over a batch the layer is a `jax.custom_vjp` whose
+    backward pass rebuilds the dense weight after the output gradient arrives and frees it
+    before the weight gradient (`_apply.py`), an order a tangent that JAX transposes
+    cannot set; `jax.jvp` of one example (no `vmap`) works.
+
     Attributes:
         values: `(..., capacity)` weights; empty slots hold 0.
         indices: `(..., capacity)` flat positions, an empty slot holding `size`; or, with
