@@ -108,18 +108,15 @@ def _compiled(target, vocab: int, chunk) -> dict:
 BODY_VOCAB = 128
 
 
-def target_memory(name: str) -> dict:
+def _memory(target) -> dict:
     """The model's and the head's loss-and-gradient memory, naive and chunked, and the
-    body's alone (vocabulary 128), compiled for the compile-only GPU target `name`."""
-    import eqx_lowmem as el
+    body's alone (vocabulary 128), for `target` (None: this machine); nothing runs."""
     from eqx_lowmem.train._chunked import DEFAULT_CHUNK
 
-    target = el.memory.Target(name)
     vocab = LM_LOSS["vocab"]
     memory = {p: _compiled(target, vocab, ch) for p, ch in (("naive", None), ("chunked", "auto"))}
     head = _head_temps(LM_LOSS, DEFAULT_CHUNK, target)
     return {
-        "target": target.describe(),
         "memory": memory,
         "temp_ratio": memory["naive"]["temp"] / memory["chunked"]["temp"],
         "body_temp": _compiled(target, BODY_VOCAB, None)["temp"],
@@ -143,7 +140,7 @@ def lm_loss() -> dict:
     import jax
     import jax.numpy as jnp
     import jax.random as jr
-    from _common import compiled_memory, interleaved, median_ratio
+    from _common import interleaved, median_ratio
 
     import eqx_lowmem as el
     from eqx_lowmem.train._chunked import DEFAULT_CHUNK
@@ -157,10 +154,6 @@ def lm_loss() -> dict:
 
     paths = {"naive": None, "chunked": "auto"}
     fns = {n: eqx.filter_jit(eqx.filter_value_and_grad(_mean_loss)) for n in paths}
-    memory = {
-        n: compiled_memory(fns[n].lower(model, tokens, ch).compile().compiled)
-        for n, ch in paths.items()
-    }
     out = {n: jax.block_until_ready(fns[n](model, tokens, ch)) for n, ch in paths.items()}
     (l0, g0), (l1, g1) = out["naive"], out["chunked"]
     grad_diff = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), g0, g1))
@@ -168,15 +161,9 @@ def lm_loss() -> dict:
         {n: lambda n=n: jax.block_until_ready(fns[n](model, tokens, paths[n])) for n in paths},
         c["rounds"],
     )
-    assert memory["naive"] is not None and memory["chunked"] is not None
-    head = _head_temps(c, DEFAULT_CHUNK)
     return {
         "config": {**c, "chunk": DEFAULT_CHUNK},
-        "memory": memory,
-        "temp_ratio": memory["naive"]["temp"] / memory["chunked"]["temp"],
-        "body_temp": _compiled(None, BODY_VOCAB, None)["temp"],
-        "head_temp": head,
-        "head_temp_ratio": head["naive"] / head["chunked"],
+        **_memory(None),
         "loss_abs_diff": float(jnp.abs(l0 - l1)),
         "grad_max_abs_diff": float(max(grad_diff)),
         "seconds": rounds.wall,
@@ -191,14 +178,14 @@ def main() -> None:
     parser.add_argument("--target", help="add compile-only figures for this GPU (h100)")
     args = parser.parse_args()
     if args.target:  # added to the record of the last run on this machine
-        from _common import RESULTS, environment
+        from _common import add_to_record, environment
 
-        result = json.loads((RESULTS / f"{args.name}.json").read_text())
-        result.pop("environment", None)
-        result[f"target_{args.target}"] = {**target_memory(args.target), "environment":
-                                           environment()}  # fmt: skip
-        print(json.dumps(result[f"target_{args.target}"], indent=1))
-        print(f"wrote {write_json(args.name, result)}")
+        import eqx_lowmem as el
+
+        target = el.memory.Target(args.target)
+        found = {"target": target.describe(), **_memory(target), "environment": environment()}
+        print(json.dumps(found, indent=1))
+        print(f"wrote {add_to_record(args.name, {f'target_{args.target}': found})}")
         return
     result = lm_loss()
     print(json.dumps({k: v for k, v in result.items() if k != "seconds"}, indent=1))

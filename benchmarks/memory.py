@@ -46,6 +46,7 @@ from jax.sharding import Mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
+import quality  # noqa: E402
 from _common import GUIDE, RESULTS, compiled_memory, encoder, plain_step, spawn, write_json  # noqa: E402
 
 import eqx_lowmem as el  # noqa: E402
@@ -82,10 +83,10 @@ GUIDE_ROWS = {
 PRECISIONS = ("float32", "mixed_bf16", "mixed_fp16", "half_bf16", "half_fp16")
 # The paper's WRN rows at batch 100: name -> the step's options; a row may set `norm`
 # ("group", "group_ws": WideResNet's; BatchNorm by default).
-_FP32 = {"precision": "float32", "remat": False, "accumulate": 1, "density": None,
-         "accumulate_dtype": "float32"}  # fmt: skip
+# FP32 and the paper's combination: the frontier's own options (`quality.py`).
+_FP32 = {**quality._FP32, "accumulate_dtype": "float32"}
 _FP16_CHECKPOINT = {**_FP32, "precision": "half_fp16", "remat": "checkpoint-residual-1"}
-_COMBINED = {**_FP16_CHECKPOINT, "accumulate": 10, "density": 0.3, "accumulate_dtype": "float16"}
+_COMBINED = quality._COMBINED
 # What keeps the frontier's accuracy at one image (issue 36): GroupNorm + WS, dense.
 _GNWS = {**_COMBINED, "accumulate": 100, "density": None, "norm": "group_ws"}
 PAPER_WRN = {
@@ -311,6 +312,7 @@ def paper_row(name: str, smoke: bool) -> dict:
         cfg = SMOKE["wrn"] if smoke else WRN
         o = PAPER_WRN[name]
         precision, accumulate, acc_dtype = o["precision"], o["accumulate"], o["accumulate_dtype"]
+        accumulate = min(accumulate, cfg["batch"])  # the smoke batch: micro-batches of one
         model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
             cfg["depth"], cfg["width"], cfg["classes"], key=jr.PRNGKey(0), in_channels=3,
             remat=o["remat"], norm=o.get("norm", "batch"),
@@ -347,18 +349,16 @@ def frontier_row(name: str, smoke: bool) -> dict:
     """A frontier configuration's training step (`quality.py --frontier`) at its batch,
     compiled for XLA:CPU and for an H100 (there without DSR's rewiring hook, whose host
     callback compiles only for a backend this process runs)."""
-    import quality as q
-
-    cfg = {**(q.FRONTIER_QUICK if smoke else q.FRONTIER)}
+    cfg = {**(quality.FRONTIER_QUICK if smoke else quality.FRONTIER)}
     batch = (jax.ShapeDtypeStruct((cfg["batch"], 1, 28, 28), jnp.float32),
              jax.ShapeDtypeStruct((cfg["batch"],), jnp.int32))  # fmt: skip
 
     def peak(opts, mesh=None):
-        step = q.make_config_step(name, cfg, opts=opts, mesh=mesh)
-        state = eqx.filter_eval_shape(lambda: q.init_state(name, 0, cfg, step, opts))
+        step = quality.make_config_step(name, cfg, opts=opts, mesh=mesh)
+        state = eqx.filter_eval_shape(lambda: quality.init_state(name, 0, cfg, step, opts))
         return compiled_memory(step.lower(state, batch).compile())["peak"]
 
-    opts = q.ALL_CONFIGS[name]
+    opts = quality.ALL_CONFIGS[name]
     row = {"peak": peak(opts)}
     if not smoke:
         gpu = el.memory.Target(GPU_TARGET)
@@ -378,9 +378,7 @@ def rows(smoke: bool) -> dict:
     mlp = {**SPARSE_MLP, "width": 32, "batch": 8} if smoke else SPARSE_MLP
     out |= {f"sparse/{n}": (sparse_row, mlp, n) for n in SPARSE}
     out |= {f"paper/{n}": (paper_row, n, smoke) for n in (*PAPER_WRN, *PAPER_LM)}
-    from quality import ALL_CONFIGS
-
-    return out | {f"frontier/{n}": (frontier_row, n, smoke) for n in ALL_CONFIGS}
+    return out | {f"frontier/{n}": (frontier_row, n, smoke) for n in quality.ALL_CONFIGS}
 
 
 def worker(spec: dict) -> dict:

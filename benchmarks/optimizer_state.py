@@ -34,10 +34,9 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-from _common import RESULTS, environment, interleaved, median_ratio, write_json  # noqa: E402
+from _common import add_to_record, environment, interleaved, median_ratio, write_json  # noqa: E402
 
 import eqx_lowmem as el  # noqa: E402
-from eqx_lowmem import _io  # noqa: E402
 
 VOCAB, LR = 128, 3e-3
 SMALL = {"layers": 2, "d_model": 128, "heads": 4, "d_ff": 512, "seq": 64, "batch": 16}
@@ -153,11 +152,10 @@ def main() -> None:
     if args.device == "gpu":
         print(json.dumps(gpu_rows(), indent=1))
         return
-    path = RESULTS / "optimizer_state.json"
     if args.target:  # only the compile-only peaks, added to the CPU run's record
         found = {f"peaks_{args.target}": peaks(el.memory.Target(args.target)),
                  f"environment_{args.target}": environment()}  # fmt: skip
-        _io.write_json(path, json.loads(path.read_text()) | found)  # the CPU run's kept
+        add_to_record("optimizer_state", found)
         print(json.dumps(found, indent=1))
         return
     data = windows(SMALL["seq"])

@@ -30,7 +30,15 @@ import jax.numpy as jnp  # noqa: E402
 import jax.random as jr  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _common import compiled_memory, interleaved, median_ratio, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    add_to_record,
+    compiled_memory,
+    encoder,
+    environment,
+    interleaved,
+    median_ratio,
+    write_json,
+)
 
 import eqx_lowmem as el  # noqa: E402
 
@@ -172,8 +180,7 @@ def plan_row() -> dict:
     x = jax.ShapeDtypeStruct((c["batch"], c["seq"], c["d_model"]), jnp.float32)
 
     def make_model(remat):
-        return el.nn.transformer_encoder(c["n_layers"], c["d_model"], c["n_heads"], c["d_ff"],
-                                         key=jr.PRNGKey(0), remat=remat)  # fmt: skip
+        return encoder(c, jr.PRNGKey(0), remat)
 
     start = time.perf_counter()
     step = el.train.make_step(el.train.mse, optax.adam(1e-3))
@@ -205,13 +212,9 @@ def main() -> None:
     if args.plan:  # added to the committed record
         import json
 
-        from _common import RESULTS
-
-        record = json.loads((RESULTS / "step_speed.json").read_text())
-        record.pop("environment", None)
-        record["plan"] = plan_row()
-        print(json.dumps(record["plan"], indent=1))
-        print(f"wrote {write_json('step_speed', record)}")
+        found = {"plan": {**plan_row(), "environment": environment()}}
+        print(json.dumps(found, indent=1))
+        print(f"wrote {add_to_record('step_speed', found)}")
         return
     if args.device == "gpu" and jax.default_backend() != "gpu":
         parser.error(f"--device gpu: the default backend is {jax.default_backend()!r}.")
