@@ -33,7 +33,10 @@ def _shapes(make, density=None, storage="indices"):
 
 
 def _step_memory(model, batch, loss, hook=None):
-    step = el.train.make_step(loss, optax.adam(1e-3), after_update=hook)
+    # With the skip of non-finite updates, the step these bounds were set on. Without it
+    # (the default) the dense MLP's peak is 12% lower (45.3 against 51.6 MB) and the
+    # sparse one's 2% (28.6 against 29.2 MB): 0.63 of dense instead of 0.57.
+    step = el.train.make_step(loss, optax.adam(1e-3), after_update=hook, skip_nonfinite=True)
     state = eqx.filter_eval_shape(step.init, model, key=jr.PRNGKey(0))
     m = compile_as_users(step.lower(state, batch)).memory_analysis()
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes

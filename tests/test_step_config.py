@@ -35,6 +35,7 @@ def _options():
         jit=False,
         accumulate_dtype=jnp.bfloat16,
         fuse_accumulation=False,
+        skip_nonfinite=True,
     )
 
 
@@ -51,6 +52,7 @@ IN_STEP = {
     "jit": lambda s: s.config.jit,
     "accumulate_dtype": lambda s: s.accumulate_dtype,
     "fuse_accumulation": lambda s: s.config.fuse_accumulation,
+    "skip_nonfinite": lambda s: s.skip_nonfinite,
 }
 IN_REPORT = {
     "accumulate": lambda c: c["accumulate"],
@@ -63,6 +65,7 @@ IN_REPORT = {
     "after_update": lambda c: c["after_update"],
     "accumulate_dtype": lambda c: jnp.dtype(c["accumulate_dtype"]),
     "fuse_accumulation": lambda c: c["fuse_accumulation"],  # (accumulate > 1 here)
+    "skip_nonfinite": lambda c: c["skip_nonfinite"],
 }
 # The memory tools compile the step whatever `jit` says.
 NOT_IN_REPORT = {"jit"}

@@ -201,7 +201,8 @@ def test_after_update_is_told_whether_the_update_was_skipped_and_must_keep_shape
         bump = jnp.where(info.finite, 100, 1000)
         return eqx.tree_at(lambda s: s.step, state, state.step + bump)
 
-    step = el.train.make_step(el.train.mse, optax.sgd(0.1), after_update=hook)
+    step = el.train.make_step(el.train.mse, optax.sgd(0.1), after_update=hook,
+                              skip_nonfinite=True)  # fmt: skip
     state = step.init(model, key=getkey())
     before = jax.tree.map(np.array, _params(state.model))  # the step donates its input
     state, m = step(state, (jnp.full((4, 2), jnp.nan), jnp.zeros((4, 1))))

@@ -146,19 +146,33 @@ def test_nonfinite_update_is_skipped_and_state_unchanged(getkey):
     def loss(model, x, poison):
         return el.train.mse(model, x, jnp.zeros((x.shape[0], 1))) * poison
 
-    step = el.train.make_step(loss, optax.adam(0.1), accumulate=2)
-    state = step.init(model, key=getkey())
     x = jr.normal(getkey(), (4, 2))
-    state, _ = step(state, (x, jnp.ones(4)))
-    before = _copy((state.model, state.opt_state))
-    state, metrics = step(state, (x, jnp.array([1.0, 1.0, jnp.inf, 1.0])))
-    assert not bool(metrics["finite"])
-    assert int(state.step) == 1
-    after = jax.tree.map(np.asarray, (state.model, state.opt_state))
-    assert all(
-        np.array_equal(a, b)
-        for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
-    )
+    poisoned = (x, jnp.array([1.0, 1.0, jnp.inf, 1.0]))
+    for skip in (True, None):  # None: the default without a loss scale applies it
+        step = el.train.make_step(loss, optax.adam(0.1), accumulate=2, skip_nonfinite=skip)
+        assert step.skip_nonfinite is bool(skip)
+        state = step.init(model, key=getkey())
+        state, metrics = step(state, (x, jnp.ones(4)))
+        assert bool(metrics["params_finite"]) if skip else "params_finite" not in metrics
+        before = _copy((state.model, state.opt_state))
+        state, metrics = step(state, poisoned)
+        assert not bool(metrics["finite"])
+        assert int(state.step) == (1 if skip else 2)
+        after = jax.tree.map(np.asarray, (state.model, state.opt_state))
+        same = [
+            np.array_equal(a, b)
+            for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+        ]
+        assert all(same) if skip else not any(same)
+
+
+def test_skip_nonfinite_is_refused_off_with_a_loss_scale_and_of_the_wrong_type():
+    with pytest.raises(ValueError, match="skip_nonfinite=False with a loss scale"):
+        el.train.make_step(el.train.mse, optax.sgd(0.1), precision="mixed_fp16",
+                           skip_nonfinite=False)  # fmt: skip
+    with pytest.raises(TypeError, match="skip_nonfinite"):
+        el.train.make_step(el.train.mse, optax.sgd(0.1), skip_nonfinite=1)
+    assert el.train.make_step(el.train.mse, optax.sgd(0.1), precision="mixed_fp16").skip_nonfinite
 
 
 @pytest.mark.parametrize(

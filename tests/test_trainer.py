@@ -131,7 +131,7 @@ def test_accumulate_must_be_positive():
         )
 
 
-def test_nonfinite_loss_stops_before_the_update_and_the_checkpoint(tmp_path):
+def test_nonfinite_loss_stops_before_the_next_update_and_the_checkpoint(tmp_path):
     X, y = _guide_data()
     # The third update of the first epoch (batches of 16): finite data (the data check passes)
     # whose squared error overflows float32.
@@ -147,17 +147,16 @@ def test_nonfinite_loss_stops_before_the_update_and_the_checkpoint(tmp_path):
         progress=False,
         callback=lambda t, m: seen.append(m["update"]),
     )
-    with pytest.raises(FloatingPointError, match="update 3 of epoch 1"):
+    with pytest.raises(FloatingPointError, match="update 3 of epoch 1") as e:
         trainer.fit(X, y, epochs=2, micro_batch=16, key=jr.PRNGKey(1), shuffle=False)
     meta = el.train.read_meta(tmp_path / "checkpoint.ckpt")
     assert seen == [1, 2] and meta["partial"]["updates"] == 2
-    # The checkpoint holds the state after update 2, and the bad update was skipped.
+    # The default step applied the bad update (as a hand-written step does): the error
+    # says so and names the checkpoint of update 2, the last good state; no update after.
+    assert "that update was applied" in str(e.value)
+    assert f"checkpoint of update 2 in {tmp_path}" in str(e.value)
     ckpt_state, _ = el.train.load_checkpoint(tmp_path / "checkpoint.ckpt", trainer.state)
-    assert int(ckpt_state.step) == 2
-    assert all(
-        bool(jnp.all(jnp.isfinite(a)))
-        for a in jax.tree.leaves(eqx.filter(trainer.model, eqx.is_array))
-    )
+    assert int(ckpt_state.step) == 2 and int(trainer.state.step) == 3
 
 
 def test_resume_continues_exactly(tmp_path):
@@ -432,8 +431,9 @@ def test_consecutive_skipped_updates_stop_with_a_clear_error_and_no_thread_left(
 def test_a_nonfinite_loss_leaves_the_last_good_state_and_no_thread(tmp_path):
     X, y = _guide_data()
     y = y.at[40].set(1e30)  # the third update (batches of 16): its squared error is inf
-    trainer = _trainer(checkpoint_dir=tmp_path, checkpoint_every=1)
-    with pytest.raises(FloatingPointError, match="last good state"):
+    config = el.train.StepConfig(skip_nonfinite=True)  # keeps it in trainer.state
+    trainer = _trainer(checkpoint_dir=tmp_path, checkpoint_every=1, step_config=config)
+    with pytest.raises(FloatingPointError, match="trainer.state is the last good state"):
         trainer.fit(X, y, epochs=1, micro_batch=16, key=jr.PRNGKey(1), shuffle=False)
     assert not _prefetch_threads()
     saved, meta = el.train.load_checkpoint(tmp_path / "checkpoint.ckpt", trainer.state)

@@ -187,6 +187,7 @@ def _config(step, model, state, structs, name, remat, attention, devices, shard)
         "mesh": None if step.mesh is None else dict(step.mesh.shape),
         "data_axis": step.data_axis,
         "after_update": _name(step.config.after_update),
+        "skip_nonfinite": step.skip_nonfinite,
         "batch": [(list(x.shape), str(x.dtype)) for x in jax.tree.leaves(structs)],
         "parameters": sum(x.size for x in jax.tree.leaves(state.model) if is_float(x)),
     }

@@ -70,7 +70,7 @@ def _after(x: Array, dep: Array) -> Array:
     not before, and to stop XLA from merging the backward pass's rebuild with the forward's
     (which would keep every layer's dense weight alive until the backward pass). A
     non-finite `dep` makes the result non-finite: only where the true gradient is already
-    non-finite, so the step's finiteness check (which skips the update) is unchanged.
+    non-finite, so the step's finiteness check (`finite`) is unchanged.
     """
     first = dep.reshape(-1)[0]
     if not jnp.issubdtype(first.dtype, jnp.floating):

@@ -44,6 +44,8 @@ class StepConfig:
         accumulate_dtype: the dtype of the micro-batch gradients and their accumulator.
         fuse_accumulation: fold recomputed stacks' gradients into the accumulator in
             their backward loop (one gradient-sized buffer less).
+        skip_nonfinite: skip updates with a non-finite loss or gradient (None: only with
+            a loss scale). Time: up to 30% of a small step's.
 
     Example:
         >>> import jax.numpy as jnp, jax.random as jr, optax
@@ -67,6 +69,7 @@ class StepConfig:
     jit: bool = True
     accumulate_dtype: Any = jnp.float32
     fuse_accumulation: bool = True
+    skip_nonfinite: bool | None = None
 
     def options(self) -> dict[str, Any]:
         """The fields as `make_step`'s keyword arguments."""

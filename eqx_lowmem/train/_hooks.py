@@ -24,8 +24,9 @@ class StepInfo:
         epoch_update: the update's number within its epoch (from 1; at `on_epoch_end`,
             the epoch's updates).
         metrics: numbers as Python floats. After an update: the step's `loss` (the
-            weighted mean over the batch), `weight`, `grad_norm`, `finite` (0.0 for an
-            update skipped for a non-finite gradient), `loss_scale`, `params_finite`; at
+            weighted mean over the batch), `weight`, `grad_norm`, `finite` (0.0 for a
+            non-finite loss or gradient: an update skipped with `skip_nonfinite`),
+            `loss_scale`, and with `skip_nonfinite` `params_finite`; at
             `on_epoch_end`: `train_loss`, the epoch's mean loss over its samples. What an
             earlier hook returned is added (the evaluation's `eval_loss`).
         target: the run's last update number where it is known (for progress), else None.

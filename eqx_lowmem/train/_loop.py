@@ -87,13 +87,25 @@ _FLOAT16_HINT = (
 )
 
 
-def nonfinite_loss(where: str, float16: bool) -> str:
-    """The error for a non-finite loss or gradient without a loss scale."""
+def nonfinite_loss(where: str, float16: bool, applied: bool, saved: str) -> str:
+    """The error for a non-finite loss or gradient without a loss scale: `applied` when
+    the step does not skip such updates (`saved`: where the last good state is then)."""
+    if applied:
+        state = (
+            "that update was applied (the step's default without a loss scale, as a "
+            "hand-written step), so trainer.state holds its result and was not saved; "
+            f"{saved}. make_step(skip_nonfinite=True) (StepConfig) skips such updates and "
+            "keeps the last good state in trainer.state instead, at a cost in time"
+        )
+    else:
+        state = (
+            "that update was not applied, no checkpoint was written, and trainer.state is "
+            "the last good state"
+        )
     return (
-        f"non-finite loss or gradient at {where}; that update was not applied, no "
-        "checkpoint was written, and trainer.state is the last good state. Look for NaN "
-        f"or inf in the data{_FLOAT16_HINT if float16 else ''}, or lower the learning "
-        "rate, clip gradients, or use a loss scale with 16-bit compute."
+        f"non-finite loss or gradient at {where}; {state}. Look for NaN or inf in the "
+        f"data{_FLOAT16_HINT if float16 else ''}, or lower the learning rate, clip "
+        "gradients, or use a loss scale with 16-bit compute."
     )
 
 
@@ -104,26 +116,4 @@ def too_many_skips(skips: int, where: str, scale: float, float16: bool) -> str:
         "the scale, is at fault (look for NaN or inf in the data"
         f"{_FLOAT16_HINT if float16 else ''}). Raise max_consecutive_skips if the scale "
         "needs longer."
-    )
-
-
-def nonfinite_parameters(where: str, update: int, directory: Any, saved: int | None) -> str:
-    """The error for parameters that an update made non-finite from a finite gradient."""
-    if directory is None:
-        last = "there is no checkpoint_dir, so no good state is kept"
-    elif saved is None:
-        last = f"no checkpoint is in {directory} yet"
-    else:
-        last = (
-            f"the last good state is the checkpoint of update {saved} in {directory} (a "
-            "rerun resumes from it)"
-        )
-    return (
-        f"the parameters became non-finite (NaN or inf) at {where} (update {update} of the "
-        "run, or just before it): the "
-        "optimizer's update or the after_update hook made them so, from a finite loss and "
-        "gradient. trainer.state holds those non-finite parameters and was not saved; "
-        f"{last}. Look for a NaN or inf learning rate or schedule, an optimizer dividing by "
-        "zero (optax.adam(eps=0) on a parameter that gets no gradient), or an after_update "
-        "hook writing NaN."
     )

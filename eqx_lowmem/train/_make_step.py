@@ -36,6 +36,7 @@ def make_step(
     jit: bool = True,
     accumulate_dtype: Any = jnp.float32,
     fuse_accumulation: bool = True,
+    skip_nonfinite: bool | None = None,
 ) -> Step:
     """Build a training step: the gradient of a large batch with one micro-batch alive.
 
@@ -126,6 +127,17 @@ def make_step(
             cannot apply to run as before: those that keep activations, and FSDP's
             gathered stacks. `False` turns it off.
 
+        skip_nonfinite: skip an update whose loss or gradient is not finite (parameters,
+            optimizer state, model state and update counter unchanged; the `finite`
+            metric False) and report `params_finite`. None (default): only with a loss
+            scale, which needs it (an overflow halves the scale and retries). Without
+            it, the update is applied whatever the gradient, as in a hand-written step
+            (and `optax.apply_if_finite`'s opt-in): `finite` is still reported, so a
+            caller can stop. Time: the skip's select on every leaf and the check of the
+            new parameters cost, measured side by side (`benchmarks/step_speed.py`),
+            5% of an MLP step and 30% of a small language model's on XLA:CPU; memory:
+            none (the gradient's norm is summed in slices for it).
+
     Optimizer state in host memory (memory kinds) is not offered: XLA:CPU has one memory
     kind, so it could not be tested here, and on a GPU an optimizer update over pinned host
     buffers runs at PCIe speed every step; FSDP (`shard="fsdp"`) and 16-bit state
@@ -171,8 +183,23 @@ def make_step(
         jit=jit,
         accumulate_dtype=accumulate_dtype,
         fuse_accumulation=bool(fuse_accumulation),
+        skip_nonfinite=_skip_nonfinite(skip_nonfinite, loss_scale),
     )
     return Step(config)
+
+
+def _skip_nonfinite(skip: bool | None, loss_scale: DynamicLossScale | None) -> bool:
+    if skip is None:
+        return loss_scale is not None
+    if not isinstance(skip, bool):
+        raise TypeError(f"skip_nonfinite must be True, False or None, got {skip!r}.")
+    if not skip and loss_scale is not None:
+        raise ValueError(
+            "skip_nonfinite=False with a loss scale: a dynamic loss scale skips the update "
+            "it overflowed (and halves the scale); pass skip_nonfinite=None or True, or "
+            "loss_scale=None."
+        )
+    return skip
 
 
 def _check_args(loss_fn, accumulate, optimizer, mesh, data_axis, shard, after_update) -> None:

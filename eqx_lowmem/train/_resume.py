@@ -20,6 +20,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,8 +39,41 @@ from ._orbax import OrbaxCheckpoints, holds_orbax_steps, newest_step_directory
 from ._run import RunState
 from ._state import TrainState
 from ._step import Step
+from ._update import all_finite
 
 FORMATS = ("auto", "file", "orbax")
+
+
+def last_good(directory: Any, saved: int | None) -> str:
+    """Where the last good state of a run is, for its errors."""
+    if directory is None:
+        return "there is no checkpoint_dir, so no good state is kept"
+    if saved is None:
+        return f"no checkpoint is in {directory} yet"
+    return (
+        f"the last good state is the checkpoint of update {saved} in {directory} (a rerun "
+        "resumes from it)"
+    )
+
+
+def nonfinite_parameters(where: str, update: int, directory: Any, saved: int | None) -> str:
+    """The error for parameters that an update made non-finite from a finite gradient."""
+    last = last_good(directory, saved)
+    return (
+        f"the parameters became non-finite (NaN or inf) at {where} (update {update} of the "
+        "run, or just before it): the "
+        "optimizer's update or the after_update hook made them so, from a finite loss and "
+        "gradient. trainer.state holds those non-finite parameters and was not saved; "
+        f"{last}. Look for a NaN or inf learning rate or schedule, an optimizer dividing by "
+        "zero (optax.adam(eps=0) on a parameter that gets no gradient), or an after_update "
+        "hook writing NaN."
+    )
+
+
+@eqx.filter_jit
+def _finite_parameters(model: Any, chunked: bool) -> jax.Array:
+    """Whether every floating parameter of `model` is finite: one read of each."""
+    return all_finite(eqx.filter(model, eqx.is_inexact_array), chunked=chunked)
 
 
 class Checkpoints(Hook):
@@ -183,13 +217,21 @@ class Checkpoints(Hook):
         """Write `state` and the run's progress atomically, keeping the checkpoint it
         replaces as `checkpoint-<updates>.ckpt` (a hard link: no copy) and the newest
         `keep` in all. Killed at any moment, the directory holds a whole checkpoint: the
-        old one or the new one. Nothing is written when nothing changed since the last."""
+        old one or the new one. Nothing is written when nothing changed since the last,
+        and never parameters holding NaN or inf (FloatingPointError: the last good
+        checkpoint stays the newest)."""
         self._last_save = time.monotonic()
         run = self._run
         assert run is not None and state is not None, "save() of the state after an update"
         key = _saved_key(run)
         if key == self.saved:
             return
+        if not bool(_finite_parameters(state.model, chunked=not self.sharded)):
+            # A step that applies every update (no skip_nonfinite) can leave NaN here.
+            where = f"update {run.sums.updates} of epoch {run.sums.epoch + 1}"
+            raise FloatingPointError(
+                nonfinite_parameters(where, run.updates, self.directory, self.saved_update)
+            )
         meta = run.progress()
         if self._orbax is not None:
             self._orbax.save(run.updates, state, meta)

@@ -48,13 +48,12 @@ from ._loop import (
     bad_batch_error,
     host_check,
     nonfinite_loss,
-    nonfinite_parameters,
     prefetch_sharding,
     shapes_of,
     too_many_skips,
 )
 from ._progress import Progress
-from ._resume import Checkpoints, settings
+from ._resume import Checkpoints, last_good, nonfinite_parameters, settings
 from ._run import EpochSums, RunState
 from ._signals import Interrupts
 from ._state import TrainState, copy_arrays
@@ -468,10 +467,10 @@ class Trainer:
     def _epoch(self, run: RunState, hooks: list[Hook], checkpoints: Checkpoints | None) -> None:
         """Updates from the stream's position to the end of its epoch (or of the run).
 
-        With a loss scale a non-finite update is skipped inside the step, so update n's
-        metrics are read while update n + 1 runs, unless a hook is `due` at n or the epoch
-        or run ends there; without one, a non-finite update must stop training before the
-        next is applied."""
+        Update n's metrics are read while update n + 1 runs, unless a hook is `due` at n
+        or the epoch or run ends there, or the step skips a non-finite update without a
+        loss scale (`skip_nonfinite=True`): then trainer.state must stay the last good
+        state, and a non-finite update stops training before the next is applied."""
         assert self.state is not None
         stream, epoch = run.stream, run.stream.epoch
         dtype = self.step_fn.policy.compute_dtype
@@ -482,7 +481,7 @@ class Trainer:
             sharding=prefetch_sharding(self.mesh, self.data_axis, stream), check=check
         )
         size, stateful = self.accumulate * stream.batch_size, self.state.model_state is not None
-        overlap = self.step_fn.loss_scale is not None
+        overlap = self.step_fn.loss_scale is not None or not self.step_fn.skip_nonfinite
         pending: tuple[Any, int] | None = None  # (metrics, update) dispatched, not read yet
         served = False
         try:
@@ -532,7 +531,10 @@ class Trainer:
         if not values["finite"]:
             if self.step_fn.loss_scale is None:
                 where = f"{where} (update {update} of the run)"
-                raise FloatingPointError(nonfinite_loss(where, float16))
+                saved = None if checkpoints is None else checkpoints.saved_update
+                last = last_good(self.checkpoint_dir, saved)
+                applied = not self.step_fn.skip_nonfinite
+                raise FloatingPointError(nonfinite_loss(where, float16, applied, last))
             run.skips += 1
             if run.skips >= self.max_consecutive_skips:
                 raise FloatingPointError(

@@ -1,6 +1,7 @@
 """The update after the gradient, as small pure pieces: mean, finiteness, apply, hook.
 
-`make_step` composes them in this order:
+`make_step` composes them in this order (3 and 5 only with `skip_nonfinite`, the default
+with a loss scale; without it the update is applied as in a hand-written step):
 
 1. `mean_gradient`: the accumulated sums over the batch (and devices) to the exact weighted
    mean gradient and loss, the loss scale divided out.
