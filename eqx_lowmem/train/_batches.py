@@ -35,11 +35,22 @@ def concat(micro: list[tuple]) -> tuple:
     return tuple(jnp.concatenate(f) if len(f) > 1 else jnp.asarray(f[0]) for f in fields)
 
 
+_ONES: dict[int, jax.Array] = {}
+
+
+def ones(n: int) -> jax.Array:
+    """Weights of 1 for `n` samples, made on the device once per size (1 ms an update
+    otherwise, on a 6 ms MLP step); never donated, so they are reused."""
+    if n not in _ONES:
+        _ONES[n] = jnp.ones((n,), jnp.float32)
+    return _ONES[n]
+
+
 def pad(micro: list[tuple], size: int) -> tuple[tuple, jax.Array]:
     """Concatenate micro-batches and pad to `size` samples at weight 0 (one compilation)."""
     batch = concat(micro)
     n = batch[0].shape[0]
-    weights = jnp.ones((max(n, size),), jnp.float32)
+    weights = ones(max(n, size))
     if n < size:
         index = jnp.arange(size) % n
         batch = tuple(x[index] for x in batch)

@@ -7,11 +7,10 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..data import DataStream
-from ._batches import concat, pad
+from ._batches import concat, ones, pad
 from ._checks import check_data
 
 
@@ -63,7 +62,7 @@ def assemble(micro: list[tuple], size: int, stateful: bool) -> tuple[tuple, jax.
     batch statistics must see only real samples."""
     if stateful:
         batch = concat(micro)
-        return batch, jnp.ones((batch[0].shape[0],), jnp.float32)
+        return batch, ones(batch[0].shape[0])
     return pad(micro, size)
 
 
