@@ -176,21 +176,25 @@ def _dropout_weights(weights: Array, rate: float, key: PRNGKeyArray, q_start: Ar
 
 def _attend(
     q: Float[Array, "q heads head_dim"],
-    k: Float[Array, "kv heads head_dim"],
-    v: Float[Array, "kv heads head_dim"],
+    k: Float[Array, "..."],
+    v: Float[Array, "..."],
     q_start: Array,
     *,
     causal: bool,
     dropout: float = 0.0,
     key: PRNGKeyArray | None = None,
+    kv: str = "khd",
 ) -> Float[Array, "q heads head_dim"]:
+    # `kv`: the keys' and values' layout, "khd" (kv, heads, head_dim) or "hkd" (heads
+    # first: what the batched products read without a transposed copy of k and v).
     q = q * (1.0 / math.sqrt(q.shape[-1]))
-    logits = jnp.einsum("qhd,khd->hqk", q, k)  # (heads, q, kv)
+    logits = jnp.einsum(f"qhd,{kv}->hqk", q, k)  # (heads, q, kv)
+    n_kv = k.shape[kv.index("k")]
     # Softmax in float32: 16-bit exponentials overflow and their sums lose the small terms.
     logits = logits.astype(jnp.float32)
     if causal:
         q_pos = q_start + jnp.arange(q.shape[0])
-        k_pos = jnp.arange(k.shape[0])
+        k_pos = jnp.arange(n_kv)
         logits = jnp.where(k_pos[None, None, :] <= q_pos[None, :, None], logits, -jnp.inf)
     if v.dtype == jnp.float32:
         weights = jax.nn.softmax(logits, axis=-1)
@@ -198,7 +202,7 @@ def _attend(
         weights = _softmax(logits, v.dtype)
     if dropout and key is not None:
         weights = _dropout_weights(weights, dropout, key, q_start)
-    return jnp.einsum("hqk,khd->qhd", weights, v)
+    return jnp.einsum(f"hqk,{kv}->qhd", weights, v)
 
 
 def _fused_call(q: Array, k: Array, v: Array, causal: bool, implementation: str) -> Array:
