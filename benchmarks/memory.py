@@ -18,6 +18,13 @@ Each row compiles a training step on abstract shapes and records `memory_analysi
   plus Adam's state and the step's peak (`speed.py`'s `sparse/*` rows time the same steps).
 - `frontier/*`: each configuration of `quality.py --frontier`: its training step at batch
   100 on XLA:CPU and for an H100.
+- `lm_loss/*`: the language-model loss's two paths (issue 36) on a 2-layer `CausalLM(remat=True)`
+  at a vocabulary of 32,000, d_model 512, 8 x 256 predicted tokens: the loss-and-gradient
+  with whole float32 logits (`naive`, `chunk=None`) and chunked (`chunked`, the default),
+  the body alone (`body`: vocabulary 128, which the chunked loss cannot go below) and the
+  head alone (`head`: hidden states in, loss out; its temporaries naive and chunked), on
+  XLA:CPU and for an H100 (`speed.py`'s `lm_loss/*` time the two paths). Goal: >= 10x fewer
+  temporaries.
 - `paper/*`: Sohoni et al. (2019)'s tables, each row a `memory_report` of the real step on
   XLA:CPU and for an H100 (a compile-only GPU target): WRN-28-2 at batch 100 with momentum
   SGD, and a 12-block causal LM with Adam (16 sequences of 250 tokens).
@@ -62,6 +69,10 @@ SMOKE = {
     "lm": {"vocab": 64, "seq": 16, "batch": 4, "n_layers": 2, "d_model": 32, "n_heads": 2,
            "d_ff": 64},
 }  # fmt: skip
+LM_LOSS = {"vocab": 32_000, "d_model": 512, "layers": 2, "heads": 8, "d_ff": 2048, "remat": True,
+           "batch": 8, "seq": 256}  # fmt: skip
+LM_LOSS_SMOKE = {**LM_LOSS, "vocab": 4096, "d_model": 32, "d_ff": 64, "seq": 16}
+LM_LOSS_ROWS = {"naive": (None, None), "chunked": (None, "auto"), "body": (128, None), "head": ()}
 GPU_TARGET = "h100"
 MB = 1e6
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -345,6 +356,74 @@ def paper_row(name: str, smoke: bool) -> dict:
     return _report_row(report, gpu=not smoke)
 
 
+def _placed(shape: tuple, dtype, target):
+    """Zeros of `shape`, or for a compile-only `target` the shape on its device."""
+    if target is None:
+        return jnp.zeros(shape, dtype)
+    sharding = jax.sharding.SingleDeviceSharding(target.devices_of_topology()[0])
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _compiled(fn, args, target) -> dict:
+    """`compiled_memory` of `jax.jit(fn)` at `args`, for `target` when given (cuBLAS for
+    the products whose Triton tiles need the device)."""
+    from eqx_lowmem.memory._compile import NO_TRITON_GEMM
+
+    lowered = jax.jit(fn).lower(*args)
+    options = None if target is None else {**target.options(), **NO_TRITON_GEMM}
+    return compiled_memory(lowered.compile(compiler_options=options))
+
+
+def lm_mean_loss(model, tokens, chunk):
+    """`next_token_loss`'s weighted mean, whole logits (`chunk=None`) or chunked."""
+    values, weights = el.train.next_token_loss(model, tokens, chunk=chunk)
+    return jnp.sum(values * weights) / jnp.sum(weights)
+
+
+def lm_loss_memory(c: dict, name: str, target=None) -> dict:
+    """`LM_LOSS_ROWS[name]`'s loss-and-gradient memory at `c`'s size (see the docstring)."""
+    from eqx_lowmem.train._chunked import DEFAULT_CHUNK
+
+    n, d, v = c["batch"] * c["seq"], c["d_model"], c["vocab"]
+    if name == "head":
+        shapes = ((n, d, jnp.float32), (v, d, jnp.float32), (v, jnp.float32), (n, jnp.int32))
+        args = tuple(_placed(s[:-1], s[-1], target) for s in shapes)
+
+        def naive(h, w, b, t):
+            logp = jax.nn.log_softmax(h @ w.T + b[None, :], axis=-1)
+            return -jnp.mean(jnp.take_along_axis(logp, t[:, None], axis=1))
+
+        def chunked(h, w, b, t):
+            loss = el.train.chunked_cross_entropy(h, w, t, head_bias=b, chunk=DEFAULT_CHUNK)
+            return jnp.mean(loss)
+
+        grad = lambda f: jax.value_and_grad(f, argnums=(0, 1, 2))  # noqa: E731
+        return {p: _compiled(grad(f), args, target)["temp"] for p, f in
+                (("naive", naive), ("chunked", chunked))}  # fmt: skip
+    vocab, chunk = LM_LOSS_ROWS[name]
+    model = el.nn.CausalLM(vocab or v, c["seq"], c["layers"], d, c["heads"], c["d_ff"],
+                           key=jr.key(0), remat=c["remat"])  # fmt: skip
+    arrays, static = eqx.partition(model, eqx.is_array)
+    arrays = jax.tree.map(lambda a: _placed(a.shape, a.dtype, target), arrays)
+    tokens = _placed((c["batch"], c["seq"] + 1), jnp.int32, target)
+
+    def grad(arrays, tokens):
+        return jax.value_and_grad(lambda a: lm_mean_loss(eqx.combine(a, static), tokens, chunk))(
+            arrays
+        )
+
+    return _compiled(grad, (arrays, tokens), target)
+
+
+def lm_loss_row(name: str, smoke: bool) -> dict:
+    """An `lm_loss/*` row: on XLA:CPU and (not `smoke`) for an H100."""
+    c = LM_LOSS_SMOKE if smoke else LM_LOSS
+    row = lm_loss_memory(c, name)
+    if not smoke:
+        row[GPU_TARGET] = lm_loss_memory(c, name, el.memory.Target(GPU_TARGET))
+    return row
+
+
 def frontier_row(name: str, smoke: bool) -> dict:
     """A frontier configuration's training step (`quality.py --frontier`) at its batch,
     compiled for XLA:CPU and for an H100 (there without DSR's rewiring hook, whose host
@@ -377,6 +456,7 @@ def rows(smoke: bool) -> dict:
     out["shard/"] = (shard_rows, {**SMOKE["guide"], "batch": 16} if smoke else SHARD)
     mlp = {**SPARSE_MLP, "width": 32, "batch": 8} if smoke else SPARSE_MLP
     out |= {f"sparse/{n}": (sparse_row, mlp, n) for n in SPARSE}
+    out |= {f"lm_loss/{n}": (lm_loss_row, n, smoke) for n in LM_LOSS_ROWS}
     out |= {f"paper/{n}": (paper_row, n, smoke) for n in (*PAPER_WRN, *PAPER_LM)}
     return out | {f"frontier/{n}": (frontier_row, n, smoke) for n in quality.ALL_CONFIGS}
 

@@ -4,24 +4,21 @@ Each configuration builds a training step, checks its first applied update (fini
 gradient norm, compared across the configurations that compute the same function), compiles
 outside the timer, burns in and times updates synchronised with `jax.block_until_ready`.
 
-- `--device gpu` (the lent GPU, issue 13's run of at most 8 minutes): the guide's sizes, each
-  configuration in a process of its own with `XLA_PYTHON_CLIENT_PREALLOCATE=false`, so that
+- `--device gpu` (a run of at most 8 minutes): the guide's sizes, each configuration in a
+  process of its own with `XLA_PYTHON_CLIENT_PREALLOCATE=false`, so that
   `device.memory_stats()["peak_bytes_in_use"]` is its peak; the memory report's prediction
-  beside it (goal: within 5%). Writes `results/gpu.json`. (Formerly `benchmarks/gpu.py`.)
+  beside it (goal: within 5%). Writes `results/gpu.json`.
 - `--device cpu`: reduced sizes; each group's configurations in one process, timed in
   rounds that alternate their order (ABBA), a ratio the median of per-round ratios: the
   drift of a shared machine cancels. Writes `results/speed.json`.
 - `--smoke`: every configuration at tiny sizes in one process (a check of the script).
 
-Groups and goals: `remat/*` (the guide's encoder under each preset: full remat at most 0.20x
-the peak at most 1.30x the time; a selective preset at most 0.6x at most 1.10x),
-`accumulate/*` (`accumulate=4` at least 0.95x the whole batch's and 1.2x `optax.MultiSteps`'s
-updates/s), `precision/*` (mixed bf16: at most 0.6x the peak, at least 1.8x the speed),
+Groups (`CONFIGS`, each against its `BASELINES` row; goals in `GOALS`): `remat/*` (the guide's
+encoder under each preset), `accumulate/*` (against `optax.MultiSteps` too), `precision/*`,
 `attention/*` (chunked, XLA's, cuDNN's), `stream/*` (a prefetched `DataStream` over `.npy`
-memory maps at least 0.95x batches on the device; the Trainer's data check at least 0.95x
-without it), `fsdp/*`, `sparse/*` (`memory.py`'s sparse storage on its MLP, against dense:
-issue 11's goal, at most 1.3x the time) and `paper/*` (WRN-28-2: FP32, FP16 +
-checkpointing, + 10 micro-batches, + 30% density).
+memory maps; the Trainer's data check), `fsdp/*`, `lm_loss/*` (`memory.py`'s LM loss,
+whole logits or chunked), `sparse/*` (`memory.py`'s sparse storage on its MLP) and `paper/*`
+(WRN-28-2: FP32, FP16 + checkpointing, + micro-batches, + 30% density).
 
     python benchmarks/speed.py --device gpu          # on a GPU: results/gpu.json
     python benchmarks/speed.py --device gpu --only remat/ accumulate/
@@ -64,7 +61,7 @@ from _common import (  # noqa: E402
     write_json,
 )
 from jax.sharding import Mesh  # noqa: E402
-from memory import SPARSE, SPARSE_MLP, sparse_mlp, wrn_loss  # noqa: E402
+from memory import LM_LOSS, LM_LOSS_SMOKE, SPARSE, SPARSE_MLP, lm_mean_loss, sparse_mlp, wrn_loss  # noqa: E402
 
 import eqx_lowmem as el  # noqa: E402
 
@@ -72,15 +69,18 @@ TINY = {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_ff": 32, "seq": 8, "batch
 SIZES = {
     "gpu": {"transformer": GUIDE, "mlp": SPARSE_MLP,
             "wrn": {"depth": 28, "width": 2, "batch": 100, "image": 32}, "stream_samples": 512,
+            "lm_loss": LM_LOSS,
             "timing": {"burn_in": 3, "repeats": 10}},
     # A CPU update of the guide's size takes seconds: 4 blocks of width 128 (about 0.07 s).
     "cpu": {"transformer": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512,
                             "seq": 128, "batch": 8},
             "mlp": SPARSE_MLP,
             "wrn": {"depth": 16, "width": 1, "batch": 100, "image": 32}, "stream_samples": 256,
+            "lm_loss": LM_LOSS,
             "timing": {"burn_in": 1, "repeats": 9}},
     "smoke": {"transformer": TINY, "mlp": {**SPARSE_MLP, "width": 32, "batch": 8},
               "wrn": {"depth": 10, "width": 1, "batch": 100, "image": 8}, "stream_samples": 16,
+              "lm_loss": LM_LOSS_SMOKE,
               "timing": {"burn_in": 1, "repeats": 1}},
 }  # fmt: skip
 BUDGET_S = 450  # the GPU run; issue 13's bound is 8 minutes
@@ -110,6 +110,8 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
                              "attention": "cudnn"},
     "fsdp/replicated": {"kind": "fsdp", "shard": "data"},
     "fsdp/fsdp": {"kind": "fsdp", "shard": "fsdp"},
+    "lm_loss/naive": {"kind": "lm_loss", "chunk": None},
+    "lm_loss/chunked": {"kind": "lm_loss", "chunk": "auto"},
     **{f"sparse/{v}": {"kind": "sparse", "variant": v, "slow": v == "bcoo"} for v in SPARSE},
     "paper/fp32": {"kind": "wrn", "precision": None, "remat": "none", "accumulate": 1},
     "paper/fp16_remat": {"kind": "wrn", "precision": "half_fp16", "accumulate": 1},
@@ -128,7 +130,8 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
 # Each group's baseline: the rows of a group are compared with it (on a CPU, side by side).
 BASELINES = {"remat": "remat/none", "precision": "remat/none", "accumulate": "remat/none",
              "attention": "attention/chunked", "stream": "stream/resident", "fsdp":
-             "fsdp/replicated", "sparse": "sparse/dense", "paper": "paper/fp32"}  # fmt: skip
+             "fsdp/replicated", "lm_loss": "lm_loss/naive", "sparse": "sparse/dense",
+             "paper": "paper/fp32"}  # fmt: skip
 NONE, UPS = "remat/none", "updates_per_s"
 GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
     "full_remat_peak": ("remat/full", NONE, "peak", "<=", 0.20),
@@ -141,12 +144,12 @@ GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
     "mixed_bf16_speed": ("precision/mixed_bf16", NONE, UPS, ">=", 1.80),
     "stream_vs_resident": ("stream/memmap_prefetch", "stream/resident", UPS, ">=", 0.95),
     "check_data_stall": ("stream/trainer_checked", "stream/trainer_unchecked", UPS, ">=", 0.95),
+    "chunked_lm_loss_time": ("lm_loss/chunked", "lm_loss/naive", "step_s", "<=", 1.0),
 }
 REPORT_TOLERANCE = 0.05
 # The first update's loss and gradient norm, relative, between configurations computing the
 # same function: float32 (a GPU's matmuls may use TF32) and 16-bit.
-CHECK_RTOL = {"float32": 2e-3, "16bit": 5e-2}
-MIB = 2**20
+CHECK_RTOL = {"float32": 2e-3, "16bit": 5e-2, "lm_loss": 2e-3}
 # The compile-only target of each device kind a GPU may report (`device_kind`).
 _KINDS = {"H100 80GB": "h100", "H100 PCIe": "h100-pcie", "H200": "h200", "A100-SXM4-40GB":
           "a100-40gb", "A100-SXM4-80GB": "a100-80gb", "L4": "l4", "A10G": "a10g",
@@ -254,28 +257,38 @@ def transformer(name: str, spec: dict, sizes: dict):
     return update, info
 
 
-def multisteps(name: str, spec: dict, sizes: dict):
-    """`optax.MultiSteps`: one jitted call per micro-batch, parameters and state donated."""
+def hand_step(model, loss, optimizer):
+    """The step a user writes by hand: the mean loss (weighted, where the loss returns
+    weights), its gradient, the optimizer's update; params and optimizer state donated.
+    Returns the jitted `step(params, opt_state, batch) -> (params, opt_state, loss)`."""
+    static = eqx.partition(model, eqx.is_inexact_array)[1]
 
-    cfg, k = sizes["transformer"], spec["accumulate"]
-    model_key, data_key = jr.split(jr.PRNGKey(0))
-    params, static = eqx.partition(encoder(cfg, model_key), eqx.is_inexact_array)
-    opt = optax.MultiSteps(optax.sgd(0.01), every_k_schedule=k)
-    x, y = _batch(cfg, data_key)
-    micro = [(x[i::k], y[i::k]) for i in range(k)]
+    def step(params, opt_state, batch):
+        def mean_loss(p):
+            out = loss(eqx.combine(p, static), *batch)
+            values, w = out if isinstance(out, tuple) else (out, jnp.ones_like(out))
+            return jnp.sum(values * w) / jnp.sum(w)
 
-    def call(params, opt_state, x, y):
-        loss = lambda p: jnp.mean(el.train.mse(eqx.combine(p, static), x, y))  # noqa: E731
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
+        value, grads = jax.value_and_grad(mean_loss)(params)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
-    call = jax.jit(call, donate_argnums=(0, 1))
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def multisteps(name: str, spec: dict, sizes: dict):
+    """`optax.MultiSteps`: a hand-written step per micro-batch."""
+    cfg, k = sizes["transformer"], spec["accumulate"]
+    model_key, data_key = jr.split(jr.PRNGKey(0))
+    model, opt = encoder(cfg, model_key), optax.MultiSteps(optax.sgd(0.01), every_k_schedule=k)
+    call, (x, y) = hand_step(model, el.train.mse, opt), _batch(cfg, data_key)
+    params = eqx.filter(model, eqx.is_inexact_array)
     holder = [params, opt.init(params)]
 
     def update():
-        for mx, my in micro:
-            holder[0], holder[1], value = call(holder[0], holder[1], mx, my)
+        for i in range(k):
+            holder[0], holder[1], value = call(holder[0], holder[1], (x[i::k], y[i::k]))
         _ready(holder[:2])
         return value
 
@@ -333,6 +346,25 @@ def sparse(name: str, spec: dict, sizes: dict):
     """A sparse-storage variant of `memory.py`'s MLP (`memory.SPARSE`): its step's time."""
     model, batch, step = sparse_mlp(spec["variant"], sizes["mlp"])
     return _step_runner(step, step.init(model, key=jr.PRNGKey(4)), batch)
+
+
+def lm_loss(name: str, spec: dict, sizes: dict):
+    """`memory.py`'s LM loss-and-gradient (`lm_loss/*`): whole logits, or chunked (then
+    compared once with the whole logits' in this process)."""
+    c = sizes["lm_loss"]
+    model = el.nn.CausalLM(c["vocab"], c["seq"], c["layers"], c["d_model"], c["heads"],
+                           c["d_ff"], key=jr.key(0), remat=c["remat"])  # fmt: skip
+    tokens = jr.randint(jr.key(1), (c["batch"], c["seq"] + 1), 0, c["vocab"])
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(lm_mean_loss))
+    run = lambda chunk: jax.block_until_ready(grad(model, tokens, chunk))  # noqa: E731
+    loss, grads = run(spec["chunk"])
+    info = {"loss": float(loss), "grad_norm": float(optax.tree.norm(grads))}
+    if spec["chunk"] is not None:
+        whole_loss, whole = run(None)
+        diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), grads, whole)
+        info |= {"loss_abs_diff": float(jnp.abs(loss - whole_loss)),
+                 "grad_max_abs_diff": max(jax.tree.leaves(diffs))}  # fmt: skip
+    return lambda: run(spec["chunk"]), info
 
 
 def wrn(name: str, spec: dict, sizes: dict):
@@ -469,6 +501,7 @@ def check_consistency(results: dict) -> dict:
         "float32": ["remat/none", "remat/full", "remat/dots", "remat/minimal",
                     "remat/minimal_offloaded", "accumulate/k4"],
         "16bit": ["precision/mixed_bf16", *(n for n in CONFIGS if n.startswith("attention/"))],
+        "lm_loss": ["lm_loss/naive", "lm_loss/chunked"],
     }  # fmt: skip
     out = {}
     for group, names in groups.items():
@@ -479,23 +512,6 @@ def check_consistency(results: dict) -> dict:
                         for q in ("loss", "grad_norm"))  # fmt: skip
             out[group] = {"names": names, "max_rel_diff": worst, "rtol": CHECK_RTOL[group],
                           "ok": worst <= CHECK_RTOL[group]}  # fmt: skip
-    return out
-
-
-def tables(results: dict) -> dict:
-    """Each group's rows against its baseline: peak MiB, ms per update and their ratios."""
-    out = {}
-    for group, base in BASELINES.items():
-        names = [n for n in CONFIGS if n.startswith(f"{group}/")]
-        base = base or names[0]
-        rows = [{"name": n, "status": next((k for k in ("unavailable", "error", "skipped")
-                                            if k in results.get(n, {})), "ok"),
-                 "peak_mib": (results.get(n, {}).get("peak") or 0) / MIB or None,
-                 "time_vs_base": results.get(n, {}).get("time_vs_base")
-                 or _ratio(results, n, base, "step_s"),
-                 "peak_vs_base": _ratio(results, n, base, "peak")}
-                for n in dict.fromkeys([base, *names])]  # fmt: skip
-        out[group] = {"baseline": base, "rows": rows}
     return out
 
 
@@ -564,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"mode": mode, "sizes": SIZES["smoke" if args.smoke else args.device],
               "environment_variables": {k: os.environ.get(k) for k in
                                         ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS")},
-              "configs": results, "goals": evaluate_goals(results), "tables": tables(results),
+              "configs": results, "goals": evaluate_goals(results),
               "checks": check_consistency(results), "wall_s": time.perf_counter() - t0}  # fmt: skip
     path = write_json(out.stem, record, directory=out.parent)
     for name, g in record["goals"].items():

@@ -39,6 +39,7 @@ from _common import (  # noqa: E402
     median_ratio,
     write_json,
 )
+from speed import hand_step  # noqa: E402
 
 import eqx_lowmem as el  # noqa: E402
 
@@ -80,25 +81,6 @@ def cases(scale: int = 1) -> dict:
             (jr.normal(kx, (4 * scale, 16, 64)), jr.normal(ky, (4 * scale, 16, 64))),
         ),
     }
-
-
-def hand_step(model, loss, optimizer):
-    """What a user writes: the mean loss (weighted, where the loss returns weights), its
-    gradient, the optimizer's update; params and optimizer state donated."""
-    static = eqx.partition(model, eqx.is_inexact_array)[1]
-
-    def step(params, opt_state, batch):
-        def mean_loss(p):
-            out = loss(eqx.combine(p, static), *batch)
-            values, w = out if isinstance(out, tuple) else (out, jnp.ones_like(out))
-            return jnp.sum(values * w) / jnp.sum(w)
-
-        value, grads = jax.value_and_grad(mean_loss)(params)
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    return jax.jit(step, donate_argnums=(0, 1))
 
 
 def _copy(tree):
