@@ -25,6 +25,10 @@ Each row compiles a training step on abstract shapes and records `memory_analysi
   head alone (`head`: hidden states in, loss out; its temporaries naive and chunked), on
   XLA:CPU and for an H100 (`speed.py`'s `lm_loss/*` time the two paths). Goal: >= 10x fewer
   temporaries.
+- `step/*`: the library's step (`make_step`) against the step a user writes by hand
+  (`hand_step`) on the same model, loss, batch and Adam, for an MLP 784-512-512-10 at batch
+  256, a small `CausalLM`, a small WideResNet and a 64-block recomputed encoder
+  (`step_cases`; `speed.py`'s `step_*` groups time them). Goal: library/hand <= 1.01.
 - `paper/*`: Sohoni et al. (2019)'s tables, each row a `memory_report` of the real step on
   XLA:CPU and for an H100 (a compile-only GPU target): WRN-28-2 at batch 100 with momentum
   SGD, and a 12-block causal LM with Adam (16 sequences of 250 tokens).
@@ -55,6 +59,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
 import quality  # noqa: E402
 from _common import GUIDE, RESULTS, compiled_memory, encoder, plain_step, spawn, write_json  # noqa: E402
+from _steps import (  # noqa: E402
+    LM_LOSS,
+    LM_LOSS_SMOKE,
+    SPARSE,
+    SPARSE_MLP,
+    STEP_CASES,
+    hand_step,
+    lm_mean_loss,
+    sparse_mlp,
+    step_cases,
+    wrn_loss,
+)
 
 import eqx_lowmem as el  # noqa: E402
 
@@ -69,13 +85,9 @@ SMOKE = {
     "lm": {"vocab": 64, "seq": 16, "batch": 4, "n_layers": 2, "d_model": 32, "n_heads": 2,
            "d_ff": 64},
 }  # fmt: skip
-LM_LOSS = {"vocab": 32_000, "d_model": 512, "layers": 2, "heads": 8, "d_ff": 2048, "remat": True,
-           "batch": 8, "seq": 256}  # fmt: skip
-LM_LOSS_SMOKE = {**LM_LOSS, "vocab": 4096, "d_model": 32, "d_ff": 64, "seq": 16}
 LM_LOSS_ROWS = {"naive": (None, None), "chunked": (None, "auto"), "body": (128, None), "head": ()}
 GPU_TARGET = "h100"
 MB = 1e6
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 # name: options of the guide's step (remat, segment, scan, accumulate, precision, plain).
 GUIDE_ROWS = {
@@ -123,22 +135,6 @@ PAPER_LM = {
     "transformer_micro250": ("float32", False, "per_sequence", "float32"),
     "transformer_fp16_checkpoint_micro250": ("half_fp16", True, "per_sequence", "float16"),
 }
-# Sparse storage: name -> (label, storage, DSR's period). "rewired": ours after 30 DSR
-# rewirings on other batches (training's steady state: a timed run never reaches step 100,
-# and a rewired layout is not the one `sparsify` makes); "masked": jaxpruner's way (dense
-# weight and Adam state, a uint8 mask); "bcoo": `jax.experimental.sparse` BCOO weights.
-SPARSE = {
-    "dense": ("dense", None, None),
-    "masked": ("masked dense (jaxpruner)", "masked", None),
-    "ours": ("ours", "indices", None),
-    "ours_dsr1": ("ours + DSR every step", "indices", 1),
-    "ours_dsr100": ("ours + DSR every 100 steps", "indices", 100),
-    "bits": ("ours, positions as a bit set", "bits", None),
-    "bits_dsr100": ("ours, positions as a bit set + DSR every 100 steps", "bits", 100),
-    "bcoo": ("BCOO", "bcoo", None),
-    "rewired_dsr100": ("ours + DSR every 100 steps, after 30 rewirings", "rewired", 100),
-}  # fmt: skip
-SPARSE_MLP = {"width": 1024, "layers": 3, "batch": 128, "density": 0.3, "slack": 0.1}
 
 
 def _shapes(cfg: dict, dtype=None) -> tuple:
@@ -212,77 +208,6 @@ def shard_rows(cfg: dict) -> dict:
     return out
 
 
-class MaskedLinear(eqx.Module):
-    """jaxpruner's way: a dense weight and a uint8 mask; the forward uses weight * mask."""
-
-    weight: jax.Array
-    bias: jax.Array
-    mask: jax.Array
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    def __call__(self, x, *, key=None):
-        return (self.weight * self.mask.astype(self.weight.dtype)) @ x + self.bias
-
-
-class BCOOLinear(eqx.Module):
-    """`jax.experimental.sparse` BCOO weight: trainable data, integer indices."""
-
-    data: jax.Array
-    indices: jax.Array
-    bias: jax.Array
-    shape: tuple[int, int] = eqx.field(static=True)
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[1]
-
-    def __call__(self, x, *, key=None):
-        from jax.experimental import sparse
-
-        return sparse.BCOO((self.data, self.indices), shape=self.shape) @ x + self.bias
-
-
-def sparse_mlp(name: str, cfg: dict) -> tuple:
-    """`SPARSE[name]`'s model of the MLP at `cfg`'s size, a batch `(x, y)` and its step
-    (cross-entropy, Adam; DSR after each update where the row says)."""
-
-    _, storage, period = SPARSE[name]
-    dense = el.nn.mlp([cfg["width"]] * (cfg["layers"] + 1) + [10], key=jr.PRNGKey(0))
-    x = jr.normal(jr.PRNGKey(2), (cfg["batch"], cfg["width"]))
-    y = jr.randint(jr.PRNGKey(3), (cfg["batch"],), 0, 10)
-
-    def step(period):
-        hook = None if period is None else el.sparse.dsr(period=period)
-        return el.train.make_step(el.train.cross_entropy, optax.adam(1e-3), after_update=hook)
-
-    if storage is None:
-        return dense, (x, y), step(None)
-    model = el.sparse.sparsify(dense, cfg["density"], key=jr.PRNGKey(1), slack=cfg["slack"],
-                               storage="bits" if storage == "bits" else "indices")  # fmt: skip
-    if storage in ("masked", "bcoo"):  # the same positions, stored their way
-        layers = []
-        for d, s in zip(dense.layers, model.layers, strict=True):
-            keep = np.asarray(el.sparse.densify(s).weight != 0)
-            rows, cols = np.nonzero(keep)
-            idx = jnp.asarray(np.stack([rows, cols], 1), jnp.int32)
-            masked = MaskedLinear(d.weight, d.bias, jnp.asarray(keep, jnp.uint8))
-            bcoo = BCOOLinear(d.weight[rows, cols], idx, d.bias, keep.shape)
-            layers.append(masked if storage == "masked" else bcoo)
-        model = el.nn.MLP(layers=tuple(layers), activation=dense.activation)
-    if storage == "rewired":  # on other batches: a model that learnt the timed one is not
-        rewire = step(1)  # training's steady state (and its zero gradients are denormal)
-        state = rewire.init(model, key=jr.PRNGKey(5))
-        for i in range(30):
-            kx, ky = jr.split(jr.PRNGKey(6 + i))
-            other = jr.normal(kx, x.shape), jr.randint(ky, y.shape, 0, 10)
-            state, _ = rewire(state, other)
-        model = state.model
-    return model, (x, y), step(period)
-
-
 def sparse_row(cfg: dict, name: str) -> dict:
     """A sparse-storage step's compiled memory and its parameters plus Adam's state."""
     model, batch, step = sparse_mlp(name, cfg)
@@ -290,15 +215,6 @@ def sparse_row(cfg: dict, name: str) -> dict:
     stored = jax.tree.leaves(eqx.filter((state.model, state.opt_state), eqx.is_array))
     memory = compiled_memory(step.lower(state, batch).compile())
     return {**memory, "params_opt_bytes": sum(int(a.nbytes) for a in stored)}
-
-
-def wrn_loss(model, state, x, y):
-    """Per-image cross-entropy of a WideResNet; uint8 images normalised as CIFAR-10's."""
-    mean = jnp.asarray(CIFAR_MEAN, jnp.float32)[:, None, None]
-    std = jnp.asarray(CIFAR_STD, jnp.float32)[:, None, None]
-    x = ((x.astype(jnp.float32) / 255.0 - mean) / std).astype(model.stem.weight.dtype)
-    logits, state = model.batched(x, state)
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y), state
 
 
 def _report_row(report_for, gpu: bool) -> dict:
@@ -374,12 +290,6 @@ def _compiled(fn, args, target) -> dict:
     return compiled_memory(lowered.compile(compiler_options=options))
 
 
-def lm_mean_loss(model, tokens, chunk):
-    """`next_token_loss`'s weighted mean, whole logits (`chunk=None`) or chunked."""
-    values, weights = el.train.next_token_loss(model, tokens, chunk=chunk)
-    return jnp.sum(values * weights) / jnp.sum(weights)
-
-
 def lm_loss_memory(c: dict, name: str, target=None) -> dict:
     """`LM_LOSS_ROWS[name]`'s loss-and-gradient memory at `c`'s size (see the docstring)."""
     from eqx_lowmem.train._chunked import DEFAULT_CHUNK
@@ -424,6 +334,17 @@ def lm_loss_row(name: str, smoke: bool) -> dict:
     return row
 
 
+def step_row(case: str) -> dict:
+    """A `step/*` row: the compiled memory of the library's step and of the hand step."""
+    model, loss, batch = step_cases()[case]
+    step, optimizer = el.train.make_step(loss, optax.adam(1e-3)), optax.adam(1e-3)
+    state = eqx.filter_eval_shape(step.init, model, key=jr.PRNGKey(2))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    hand = hand_step(model, loss, optimizer).lower(params, optimizer.init(params), batch)
+    return {"library": compiled_memory(step.lower(state, batch).compile()),
+            "hand": compiled_memory(hand.compile())}  # fmt: skip
+
+
 def frontier_row(name: str, smoke: bool) -> dict:
     """A frontier configuration's training step (`quality.py --frontier`) at its batch,
     compiled for XLA:CPU and for an H100 (there without DSR's rewiring hook, whose host
@@ -457,6 +378,7 @@ def rows(smoke: bool) -> dict:
     mlp = {**SPARSE_MLP, "width": 32, "batch": 8} if smoke else SPARSE_MLP
     out |= {f"sparse/{n}": (sparse_row, mlp, n) for n in SPARSE}
     out |= {f"lm_loss/{n}": (lm_loss_row, n, smoke) for n in LM_LOSS_ROWS}
+    out |= {f"step/{n}": (step_row, n) for n in STEP_CASES}
     out |= {f"paper/{n}": (paper_row, n, smoke) for n in (*PAPER_WRN, *PAPER_LM)}
     return out | {f"frontier/{n}": (frontier_row, n, smoke) for n in quality.ALL_CONFIGS}
 
