@@ -24,6 +24,16 @@ LM_LOSS = {"vocab": 32_000, "d_model": 512, "layers": 2, "heads": 8, "d_ff": 204
            "batch": 8, "seq": 256}  # fmt: skip
 LM_LOSS_SMOKE = {**LM_LOSS, "vocab": 4096, "d_model": 32, "d_ff": 64, "seq": 16}
 STEP_CASES = ("mlp", "lm", "wrn", "encoder64")  # `step_cases`
+# Adam's state in float32, 16 bits and 8 bits (`optimizer_state/*`), on a character LM:
+# the guide's (12 layers, full recomputation: compiled) and a small one (timed).
+OPTIMIZERS = {
+    "float32": lambda: optax.adam(3e-3),
+    "16bit": lambda: el.precision.half_state(optax.adam(3e-3)),
+    "8bit": lambda: el.precision.quantized_state(optax.adam(3e-3)),
+}
+CHAR_VOCAB = 128
+CHAR_LM_SMALL = {"layers": 2, "d_model": 128, "heads": 4, "d_ff": 512, "seq": 64, "batch": 16}
+CHAR_LM_GUIDE = {"layers": 12, "d_model": 512, "heads": 8, "d_ff": 2048, "seq": 256, "batch": 32}
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 # Sparse storage: name -> (label, storage, DSR's period). "rewired": ours after 30 DSR
 # rewirings on other batches (training's steady state: a timed run never reaches step 100,
@@ -371,6 +381,24 @@ def lm_loss(name: str, spec: dict, sizes: dict):
         info |= {"loss_abs_diff": float(jnp.abs(loss - whole_loss)),
                  "grad_max_abs_diff": max(jax.tree.leaves(diffs))}  # fmt: skip
     return lambda: run(spec["chunk"]), info
+
+
+def char_lm(cfg: dict, key, remat="none"):
+    """The `optimizer_state/*` rows' character LM (vocabulary 128) at `cfg`'s size."""
+    return el.nn.CausalLM(CHAR_VOCAB, cfg["seq"], cfg["layers"], cfg["d_model"], cfg["heads"],
+                          cfg["d_ff"], key=key, remat=remat)  # fmt: skip
+
+
+def char_loss(model, tokens, *, key=None):
+    return el.train.next_token_loss(model, tokens.astype(jnp.int32), key=key)
+
+
+def optimizer_state(name: str, spec: dict, sizes: dict):
+    """The small character LM's step with Adam's state in `spec["variant"]`'s precision."""
+    cfg = sizes["char_lm"]
+    step = el.train.make_step(char_loss, OPTIMIZERS[spec["variant"]]())
+    tokens = jr.randint(jr.PRNGKey(2), (cfg["batch"], cfg["seq"] + 1), 0, CHAR_VOCAB)
+    return _step_runner(step, step.init(char_lm(cfg, jr.PRNGKey(0)), key=jr.PRNGKey(1)), (tokens,))
 
 
 def step(name: str, spec: dict, sizes: dict):

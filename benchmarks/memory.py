@@ -25,6 +25,11 @@ Each row compiles a training step on abstract shapes and records `memory_analysi
   head alone (`head`: hidden states in, loss out; its temporaries naive and chunked), on
   XLA:CPU and for an H100 (`speed.py`'s `lm_loss/*` time the two paths). Goal: >= 10x fewer
   temporaries.
+- `optimizer_state/*`: Adam's state in float32, 16 bits (`half_state`) and 8 bits
+  (`quantized_state`): its bytes a parameter and the compiled step's peak (`memory_report`)
+  on the guide's character LM (12 layers, d_model 512, seq 256, batch 32, full
+  recomputation), on XLA:CPU and for an H100 (`speed.py`'s `optimizer_state/*` time them on
+  a small one). Goal: <= 2.1 bytes a parameter in 8 bits.
 - `step/*`: the library's step (`make_step`) against the step a user writes by hand
   (`hand_step`) on the same model, loss, batch and Adam, for an MLP 784-512-512-10 at batch
   256, a small `CausalLM`, a small WideResNet and a 64-block recomputed encoder
@@ -60,11 +65,16 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, if
 import quality  # noqa: E402
 from _common import GUIDE, RESULTS, compiled_memory, encoder, plain_step, spawn, write_json  # noqa: E402
 from _steps import (  # noqa: E402
+    CHAR_LM_GUIDE,
+    CHAR_LM_SMALL,
     LM_LOSS,
     LM_LOSS_SMOKE,
+    OPTIMIZERS,
     SPARSE,
     SPARSE_MLP,
     STEP_CASES,
+    char_lm,
+    char_loss,
     hand_step,
     lm_mean_loss,
     sparse_mlp,
@@ -334,6 +344,25 @@ def lm_loss_row(name: str, smoke: bool) -> dict:
     return row
 
 
+def optimizer_state_row(variant: str, smoke: bool) -> dict:
+    """An `optimizer_state/*` row: the state's bytes a parameter and the step's report."""
+    model = char_lm(CHAR_LM_SMALL if smoke else CHAR_LM_GUIDE, jr.PRNGKey(0), remat="full")
+    cfg, params = CHAR_LM_SMALL if smoke else CHAR_LM_GUIDE, eqx.filter(model, eqx.is_inexact_array)
+    state = jax.eval_shape(OPTIMIZERS[variant]().init, params)
+    stored = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    batch = (jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"] + 1), jnp.int32),)
+
+    def report(target):
+        r = el.memory.memory_report(model, char_loss, OPTIMIZERS[variant](), batch,
+                                    target=target).to_dict()  # fmt: skip
+        return {"peak_bytes": r["peak_bytes"], "optimizer_bytes": r["parts"]["optimizer"],
+                "argument_bytes": r["compiled"]["argument"], "temp_bytes": r["compiled"]["temp"],
+                "device": r["device"]}  # fmt: skip
+
+    row = {"bytes_per_param": stored / sum(x.size for x in jax.tree.leaves(params)), **report(None)}
+    return row if smoke else row | {GPU_TARGET: report(GPU_TARGET)}
+
+
 def step_row(case: str) -> dict:
     """A `step/*` row: the compiled memory of the library's step and of the hand step."""
     model, loss, batch = step_cases()[case]
@@ -378,6 +407,7 @@ def rows(smoke: bool) -> dict:
     mlp = {**SPARSE_MLP, "width": 32, "batch": 8} if smoke else SPARSE_MLP
     out |= {f"sparse/{n}": (sparse_row, mlp, n) for n in SPARSE}
     out |= {f"lm_loss/{n}": (lm_loss_row, n, smoke) for n in LM_LOSS_ROWS}
+    out |= {f"optimizer_state/{n}": (optimizer_state_row, n, smoke) for n in OPTIMIZERS}
     out |= {f"step/{n}": (step_row, n) for n in STEP_CASES}
     out |= {f"paper/{n}": (paper_row, n, smoke) for n in (*PAPER_WRN, *PAPER_LM)}
     return out | {f"frontier/{n}": (frontier_row, n, smoke) for n in quality.ALL_CONFIGS}

@@ -18,7 +18,8 @@ encoder under each preset), `accumulate/*` (against `optax.MultiSteps` too), `pr
 `attention/*` (chunked, XLA's, cuDNN's), `stream/*` (a prefetched `DataStream` over `.npy`
 memory maps; the Trainer's data check), `fsdp/*`, `lm_loss/*` (the LM loss, whole
 logits or chunked), `sparse/*` (sparse storage on an MLP), `paper/*` (WRN-28-2: FP32, FP16 +
-checkpointing, + micro-batches, + 30% density), `step_*/*` (the library's step against one
+checkpointing, + micro-batches, + 30% density), `optimizer_state/*` (Adam's state in 32,
+16 and 8 bits), `step_*/*` (the library's step against one
 written by hand, per model) and `plan/*` (`el.memory.plan` against one compile). The steps
 are `_steps.py`'s, one builder per kind; `memory.py` compiles the same steps.
 
@@ -55,7 +56,16 @@ from _common import (  # noqa: E402
     time_median,
     write_json,
 )
-from _steps import LM_LOSS, LM_LOSS_SMOKE, SPARSE, SPARSE_MLP, STEP_CASES  # noqa: E402
+from _steps import (  # noqa: E402
+    CHAR_LM_GUIDE,
+    CHAR_LM_SMALL,
+    LM_LOSS,
+    LM_LOSS_SMOKE,
+    OPTIMIZERS,
+    SPARSE,
+    SPARSE_MLP,
+    STEP_CASES,
+)
 
 TINY = {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_ff": 32, "seq": 8, "batch": 4}
 # `plan`'s timing: a budget between its largest and smallest candidate's peak.
@@ -64,18 +74,19 @@ PLAN = {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 128, "
 SIZES = {
     "gpu": {"transformer": GUIDE, "mlp": SPARSE_MLP,
             "wrn": {"depth": 28, "width": 2, "batch": 100, "image": 32}, "stream_samples": 512,
-            "lm_loss": LM_LOSS, "step_scale": 8, "plan": PLAN,
+            "lm_loss": LM_LOSS, "step_scale": 8, "plan": PLAN, "char_lm": CHAR_LM_GUIDE,
             "timing": {"burn_in": 3, "repeats": 10}},
     # A CPU update of the guide's size takes seconds: 4 blocks of width 128 (about 0.07 s).
     "cpu": {"transformer": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512,
                             "seq": 128, "batch": 8},
             "mlp": SPARSE_MLP,
             "wrn": {"depth": 16, "width": 1, "batch": 100, "image": 32}, "stream_samples": 256,
-            "lm_loss": LM_LOSS, "step_scale": 1, "plan": PLAN,
+            "lm_loss": LM_LOSS, "step_scale": 1, "plan": PLAN, "char_lm": CHAR_LM_SMALL,
             "timing": {"burn_in": 1, "repeats": 9}},
     "smoke": {"transformer": TINY, "mlp": {**SPARSE_MLP, "width": 32, "batch": 8},
               "wrn": {"depth": 10, "width": 1, "batch": 100, "image": 8}, "stream_samples": 16,
               "lm_loss": LM_LOSS_SMOKE, "step_scale": 1,
+              "char_lm": {**CHAR_LM_SMALL, "layers": 1, "d_model": 16, "d_ff": 32, "seq": 8},
               "plan": {**TINY, "budget": PLAN["budget"], "options": {"accumulates": [1]}},
               "timing": {"burn_in": 1, "repeats": 1}},
 }  # fmt: skip
@@ -105,6 +116,7 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
     "fsdp/fsdp": {"kind": "fsdp", "shard": "fsdp"},
     "lm_loss/naive": {"kind": "lm_loss", "chunk": None},
     "lm_loss/chunked": {"kind": "lm_loss", "chunk": "auto"},
+    **{f"optimizer_state/{v}": {"kind": "optimizer_state", "variant": v} for v in OPTIMIZERS},
     **{f"step_{c}/{way}": {"kind": "step", "case": c, "hand": way == "hand"}
        for c in STEP_CASES for way in ("hand", "library")},
     **{f"sparse/{v}": {"kind": "sparse", "variant": v, "slow": v == "bcoo"} for v in SPARSE},
@@ -131,6 +143,7 @@ BASELINES = {"remat": "remat/none", "precision": "remat/none", "accumulate": "re
              "attention": "attention/chunked", "stream": "stream/resident", "fsdp":
              "fsdp/replicated", "lm_loss": "lm_loss/naive", "sparse": "sparse/dense",
              "paper": "paper/fp32", "plan": "plan/one_compile",
+             "optimizer_state": "optimizer_state/16bit",
              **{f"step_{c}": f"step_{c}/hand" for c in STEP_CASES}}  # fmt: skip
 NONE, UPS = "remat/none", "updates_per_s"
 GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
@@ -145,6 +158,7 @@ GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
     "stream_vs_resident": ("stream/memmap_prefetch", "stream/resident", UPS, ">=", 0.95),
     "check_data_stall": ("stream/trainer_checked", "stream/trainer_unchecked", UPS, ">=", 0.95),
     "chunked_lm_loss_time": ("lm_loss/chunked", "lm_loss/naive", "step_s", "<=", 1.0),
+    "state_8bit_time": ("optimizer_state/8bit", "optimizer_state/16bit", "step_s", "<=", 1.15),
     "plan_vs_one_compile": ("plan/pruned", "plan/one_compile", "step_s", "<=", 5.0),
     **{
         f"step_{c}_{what}": (f"step_{c}/library", f"step_{c}/hand", q, sense, bound)
@@ -155,7 +169,7 @@ GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
 REPORT_TOLERANCE = 0.05
 # The first update's loss and gradient norm, relative, between configurations computing the
 # same function: float32 (a GPU's matmuls may use TF32) and 16-bit.
-CHECK_RTOL = {"float32": 2e-3, "16bit": 5e-2, "lm_loss": 2e-3}
+CHECK_RTOL = {"float32": 2e-3, "16bit": 5e-2, "lm_loss": 2e-3, "optimizer_state": 2e-3}
 
 
 # ------------------------------------------------------------------------------- worker
@@ -273,6 +287,7 @@ def check_consistency(results: dict) -> dict:
                     "remat/minimal_offloaded", "accumulate/k4"],
         "16bit": ["precision/mixed_bf16", *(n for n in CONFIGS if n.startswith("attention/"))],
         "lm_loss": ["lm_loss/naive", "lm_loss/chunked"],
+        "optimizer_state": [f"optimizer_state/{v}" for v in OPTIMIZERS],
     }  # fmt: skip
     out = {}
     for group, names in groups.items():
