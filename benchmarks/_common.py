@@ -59,15 +59,6 @@ def write_json(name: str, payload: dict[str, Any], directory: Path | None = None
     return atomic_write_json(directory / f"{name}.json", record)
 
 
-def add_to_record(name: str, found: dict[str, Any]) -> Path:
-    """Add `found` (figures measured apart, each with its own environment) to the committed
-    `results/<name>.json`, keeping the record's own figures and environment; atomic."""
-    from eqx_lowmem._io import write_json as atomic_write_json
-
-    path = RESULTS / f"{name}.json"
-    return atomic_write_json(path, json.loads(path.read_text()) | found)
-
-
 def time_median(fn: Callable[[], Any], *, repeats: int = 5, burn_in: int = 2) -> float:
     """Median wall seconds of `fn()` after `burn_in` untimed calls.
 

@@ -18,6 +18,22 @@ Each row compiles a training step on abstract shapes and records `memory_analysi
   plus Adam's state and the step's peak (`speed.py`'s `sparse/*` rows time the same steps).
 - `frontier/*`: each configuration of `quality.py --frontier`: its training step at batch
   100 on XLA:CPU and for an H100.
+- `lm_loss/*`: the language-model loss's two paths (issue 36) on a 2-layer `CausalLM(remat=True)`
+  at a vocabulary of 32,000, d_model 512, 8 x 256 predicted tokens: the loss-and-gradient
+  with whole float32 logits (`naive`, `chunk=None`) and chunked (`chunked`, the default),
+  the body alone (`body`: vocabulary 128, which the chunked loss cannot go below) and the
+  head alone (`head`: hidden states in, loss out; its temporaries naive and chunked), on
+  XLA:CPU and for an H100 (`speed.py`'s `lm_loss/*` time the two paths). Goal: >= 10x fewer
+  temporaries.
+- `optimizer_state/*`: Adam's state in float32, 16 bits (`half_state`) and 8 bits
+  (`quantized_state`): its bytes a parameter and the compiled step's peak (`memory_report`)
+  on the guide's character LM (12 layers, d_model 512, seq 256, batch 32, full
+  recomputation), on XLA:CPU and for an H100 (`speed.py`'s `optimizer_state/*` time them on
+  a small one). Goal: <= 2.1 bytes a parameter in 8 bits.
+- `step/*`: the library's step (`make_step`) against the step a user writes by hand
+  (`hand_step`) on the same model, loss, batch and Adam, for an MLP 784-512-512-10 at batch
+  256, a small `CausalLM`, a small WideResNet and a 64-block recomputed encoder
+  (`step_cases`; `speed.py`'s `step_*` groups time them). Goal: library/hand <= 1.01.
 - `paper/*`: Sohoni et al. (2019)'s tables, each row a `memory_report` of the real step on
   XLA:CPU and for an H100 (a compile-only GPU target): WRN-28-2 at batch 100 with momentum
   SGD, and a 12-block causal LM with Adam (16 sequences of 250 tokens).
@@ -48,6 +64,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
 import quality  # noqa: E402
 from _common import GUIDE, RESULTS, compiled_memory, encoder, plain_step, spawn, write_json  # noqa: E402
+from _steps import (  # noqa: E402
+    CHAR_LM_GUIDE,
+    CHAR_LM_SMALL,
+    LM_LOSS,
+    LM_LOSS_SMOKE,
+    OPTIMIZERS,
+    SPARSE,
+    SPARSE_MLP,
+    STEP_CASES,
+    char_lm,
+    char_loss,
+    hand_step,
+    lm_mean_loss,
+    sparse_mlp,
+    step_cases,
+    wrn_loss,
+)
 
 import eqx_lowmem as el  # noqa: E402
 
@@ -62,9 +95,9 @@ SMOKE = {
     "lm": {"vocab": 64, "seq": 16, "batch": 4, "n_layers": 2, "d_model": 32, "n_heads": 2,
            "d_ff": 64},
 }  # fmt: skip
+LM_LOSS_ROWS = {"naive": (None, None), "chunked": (None, "auto"), "body": (128, None), "head": ()}
 GPU_TARGET = "h100"
 MB = 1e6
-CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 # name: options of the guide's step (remat, segment, scan, accumulate, precision, plain).
 GUIDE_ROWS = {
@@ -112,22 +145,6 @@ PAPER_LM = {
     "transformer_micro250": ("float32", False, "per_sequence", "float32"),
     "transformer_fp16_checkpoint_micro250": ("half_fp16", True, "per_sequence", "float16"),
 }
-# Sparse storage: name -> (label, storage, DSR's period). "rewired": ours after 30 DSR
-# rewirings on other batches (training's steady state: a timed run never reaches step 100,
-# and a rewired layout is not the one `sparsify` makes); "masked": jaxpruner's way (dense
-# weight and Adam state, a uint8 mask); "bcoo": `jax.experimental.sparse` BCOO weights.
-SPARSE = {
-    "dense": ("dense", None, None),
-    "masked": ("masked dense (jaxpruner)", "masked", None),
-    "ours": ("ours", "indices", None),
-    "ours_dsr1": ("ours + DSR every step", "indices", 1),
-    "ours_dsr100": ("ours + DSR every 100 steps", "indices", 100),
-    "bits": ("ours, positions as a bit set", "bits", None),
-    "bits_dsr100": ("ours, positions as a bit set + DSR every 100 steps", "bits", 100),
-    "bcoo": ("BCOO", "bcoo", None),
-    "rewired_dsr100": ("ours + DSR every 100 steps, after 30 rewirings", "rewired", 100),
-}  # fmt: skip
-SPARSE_MLP = {"width": 1024, "layers": 3, "batch": 128, "density": 0.3, "slack": 0.1}
 
 
 def _shapes(cfg: dict, dtype=None) -> tuple:
@@ -201,77 +218,6 @@ def shard_rows(cfg: dict) -> dict:
     return out
 
 
-class MaskedLinear(eqx.Module):
-    """jaxpruner's way: a dense weight and a uint8 mask; the forward uses weight * mask."""
-
-    weight: jax.Array
-    bias: jax.Array
-    mask: jax.Array
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    def __call__(self, x, *, key=None):
-        return (self.weight * self.mask.astype(self.weight.dtype)) @ x + self.bias
-
-
-class BCOOLinear(eqx.Module):
-    """`jax.experimental.sparse` BCOO weight: trainable data, integer indices."""
-
-    data: jax.Array
-    indices: jax.Array
-    bias: jax.Array
-    shape: tuple[int, int] = eqx.field(static=True)
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[1]
-
-    def __call__(self, x, *, key=None):
-        from jax.experimental import sparse
-
-        return sparse.BCOO((self.data, self.indices), shape=self.shape) @ x + self.bias
-
-
-def sparse_mlp(name: str, cfg: dict) -> tuple:
-    """`SPARSE[name]`'s model of the MLP at `cfg`'s size, a batch `(x, y)` and its step
-    (cross-entropy, Adam; DSR after each update where the row says)."""
-
-    _, storage, period = SPARSE[name]
-    dense = el.nn.mlp([cfg["width"]] * (cfg["layers"] + 1) + [10], key=jr.PRNGKey(0))
-    x = jr.normal(jr.PRNGKey(2), (cfg["batch"], cfg["width"]))
-    y = jr.randint(jr.PRNGKey(3), (cfg["batch"],), 0, 10)
-
-    def step(period):
-        hook = None if period is None else el.sparse.dsr(period=period)
-        return el.train.make_step(el.train.cross_entropy, optax.adam(1e-3), after_update=hook)
-
-    if storage is None:
-        return dense, (x, y), step(None)
-    model = el.sparse.sparsify(dense, cfg["density"], key=jr.PRNGKey(1), slack=cfg["slack"],
-                               storage="bits" if storage == "bits" else "indices")  # fmt: skip
-    if storage in ("masked", "bcoo"):  # the same positions, stored their way
-        layers = []
-        for d, s in zip(dense.layers, model.layers, strict=True):
-            keep = np.asarray(el.sparse.densify(s).weight != 0)
-            rows, cols = np.nonzero(keep)
-            idx = jnp.asarray(np.stack([rows, cols], 1), jnp.int32)
-            masked = MaskedLinear(d.weight, d.bias, jnp.asarray(keep, jnp.uint8))
-            bcoo = BCOOLinear(d.weight[rows, cols], idx, d.bias, keep.shape)
-            layers.append(masked if storage == "masked" else bcoo)
-        model = el.nn.MLP(layers=tuple(layers), activation=dense.activation)
-    if storage == "rewired":  # on other batches: a model that learnt the timed one is not
-        rewire = step(1)  # training's steady state (and its zero gradients are denormal)
-        state = rewire.init(model, key=jr.PRNGKey(5))
-        for i in range(30):
-            kx, ky = jr.split(jr.PRNGKey(6 + i))
-            other = jr.normal(kx, x.shape), jr.randint(ky, y.shape, 0, 10)
-            state, _ = rewire(state, other)
-        model = state.model
-    return model, (x, y), step(period)
-
-
 def sparse_row(cfg: dict, name: str) -> dict:
     """A sparse-storage step's compiled memory and its parameters plus Adam's state."""
     model, batch, step = sparse_mlp(name, cfg)
@@ -279,15 +225,6 @@ def sparse_row(cfg: dict, name: str) -> dict:
     stored = jax.tree.leaves(eqx.filter((state.model, state.opt_state), eqx.is_array))
     memory = compiled_memory(step.lower(state, batch).compile())
     return {**memory, "params_opt_bytes": sum(int(a.nbytes) for a in stored)}
-
-
-def wrn_loss(model, state, x, y):
-    """Per-image cross-entropy of a WideResNet; uint8 images normalised as CIFAR-10's."""
-    mean = jnp.asarray(CIFAR_MEAN, jnp.float32)[:, None, None]
-    std = jnp.asarray(CIFAR_STD, jnp.float32)[:, None, None]
-    x = ((x.astype(jnp.float32) / 255.0 - mean) / std).astype(model.stem.weight.dtype)
-    logits, state = model.batched(x, state)
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y), state
 
 
 def _report_row(report_for, gpu: bool) -> dict:
@@ -345,6 +282,98 @@ def paper_row(name: str, smoke: bool) -> dict:
     return _report_row(report, gpu=not smoke)
 
 
+def _placed(shape: tuple, dtype, target):
+    """Zeros of `shape`, or for a compile-only `target` the shape on its device."""
+    if target is None:
+        return jnp.zeros(shape, dtype)
+    sharding = jax.sharding.SingleDeviceSharding(target.devices_of_topology()[0])
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def _compiled(fn, args, target) -> dict:
+    """`compiled_memory` of `jax.jit(fn)` at `args`, for `target` when given (cuBLAS for
+    the products whose Triton tiles need the device)."""
+    from eqx_lowmem.memory._compile import NO_TRITON_GEMM
+
+    lowered = jax.jit(fn).lower(*args)
+    options = None if target is None else {**target.options(), **NO_TRITON_GEMM}
+    return compiled_memory(lowered.compile(compiler_options=options))
+
+
+def lm_loss_memory(c: dict, name: str, target=None) -> dict:
+    """`LM_LOSS_ROWS[name]`'s loss-and-gradient memory at `c`'s size (see the docstring)."""
+    from eqx_lowmem.train._chunked import DEFAULT_CHUNK
+
+    n, d, v = c["batch"] * c["seq"], c["d_model"], c["vocab"]
+    if name == "head":
+        shapes = ((n, d, jnp.float32), (v, d, jnp.float32), (v, jnp.float32), (n, jnp.int32))
+        args = tuple(_placed(s[:-1], s[-1], target) for s in shapes)
+
+        def naive(h, w, b, t):
+            logp = jax.nn.log_softmax(h @ w.T + b[None, :], axis=-1)
+            return -jnp.mean(jnp.take_along_axis(logp, t[:, None], axis=1))
+
+        def chunked(h, w, b, t):
+            loss = el.train.chunked_cross_entropy(h, w, t, head_bias=b, chunk=DEFAULT_CHUNK)
+            return jnp.mean(loss)
+
+        grad = lambda f: jax.value_and_grad(f, argnums=(0, 1, 2))  # noqa: E731
+        return {p: _compiled(grad(f), args, target)["temp"] for p, f in
+                (("naive", naive), ("chunked", chunked))}  # fmt: skip
+    vocab, chunk = LM_LOSS_ROWS[name]
+    model = el.nn.CausalLM(vocab or v, c["seq"], c["layers"], d, c["heads"], c["d_ff"],
+                           key=jr.key(0), remat=c["remat"])  # fmt: skip
+    arrays, static = eqx.partition(model, eqx.is_array)
+    arrays = jax.tree.map(lambda a: _placed(a.shape, a.dtype, target), arrays)
+    tokens = _placed((c["batch"], c["seq"] + 1), jnp.int32, target)
+
+    def grad(arrays, tokens):
+        return jax.value_and_grad(lambda a: lm_mean_loss(eqx.combine(a, static), tokens, chunk))(
+            arrays
+        )
+
+    return _compiled(grad, (arrays, tokens), target)
+
+
+def lm_loss_row(name: str, smoke: bool) -> dict:
+    """An `lm_loss/*` row: on XLA:CPU and (not `smoke`) for an H100."""
+    c = LM_LOSS_SMOKE if smoke else LM_LOSS
+    row = lm_loss_memory(c, name)
+    if not smoke:
+        row[GPU_TARGET] = lm_loss_memory(c, name, el.memory.Target(GPU_TARGET))
+    return row
+
+
+def optimizer_state_row(variant: str, smoke: bool) -> dict:
+    """An `optimizer_state/*` row: the state's bytes a parameter and the step's report."""
+    model = char_lm(CHAR_LM_SMALL if smoke else CHAR_LM_GUIDE, jr.PRNGKey(0), remat="full")
+    cfg, params = CHAR_LM_SMALL if smoke else CHAR_LM_GUIDE, eqx.filter(model, eqx.is_inexact_array)
+    state = jax.eval_shape(OPTIMIZERS[variant]().init, params)
+    stored = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    batch = (jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"] + 1), jnp.int32),)
+
+    def report(target):
+        r = el.memory.memory_report(model, char_loss, OPTIMIZERS[variant](), batch,
+                                    target=target).to_dict()  # fmt: skip
+        return {"peak_bytes": r["peak_bytes"], "optimizer_bytes": r["parts"]["optimizer"],
+                "argument_bytes": r["compiled"]["argument"], "temp_bytes": r["compiled"]["temp"],
+                "device": r["device"]}  # fmt: skip
+
+    row = {"bytes_per_param": stored / sum(x.size for x in jax.tree.leaves(params)), **report(None)}
+    return row if smoke else row | {GPU_TARGET: report(GPU_TARGET)}
+
+
+def step_row(case: str) -> dict:
+    """A `step/*` row: the compiled memory of the library's step and of the hand step."""
+    model, loss, batch = step_cases()[case]
+    step, optimizer = el.train.make_step(loss, optax.adam(1e-3)), optax.adam(1e-3)
+    state = eqx.filter_eval_shape(step.init, model, key=jr.PRNGKey(2))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    hand = hand_step(model, loss, optimizer).lower(params, optimizer.init(params), batch)
+    return {"library": compiled_memory(step.lower(state, batch).compile()),
+            "hand": compiled_memory(hand.compile())}  # fmt: skip
+
+
 def frontier_row(name: str, smoke: bool) -> dict:
     """A frontier configuration's training step (`quality.py --frontier`) at its batch,
     compiled for XLA:CPU and for an H100 (there without DSR's rewiring hook, whose host
@@ -377,6 +406,9 @@ def rows(smoke: bool) -> dict:
     out["shard/"] = (shard_rows, {**SMOKE["guide"], "batch": 16} if smoke else SHARD)
     mlp = {**SPARSE_MLP, "width": 32, "batch": 8} if smoke else SPARSE_MLP
     out |= {f"sparse/{n}": (sparse_row, mlp, n) for n in SPARSE}
+    out |= {f"lm_loss/{n}": (lm_loss_row, n, smoke) for n in LM_LOSS_ROWS}
+    out |= {f"optimizer_state/{n}": (optimizer_state_row, n, smoke) for n in OPTIMIZERS}
+    out |= {f"step/{n}": (step_row, n) for n in STEP_CASES}
     out |= {f"paper/{n}": (paper_row, n, smoke) for n in (*PAPER_WRN, *PAPER_LM)}
     return out | {f"frontier/{n}": (frontier_row, n, smoke) for n in quality.ALL_CONFIGS}
 

@@ -4,24 +4,24 @@ Each configuration builds a training step, checks its first applied update (fini
 gradient norm, compared across the configurations that compute the same function), compiles
 outside the timer, burns in and times updates synchronised with `jax.block_until_ready`.
 
-- `--device gpu` (the lent GPU, issue 13's run of at most 8 minutes): the guide's sizes, each
-  configuration in a process of its own with `XLA_PYTHON_CLIENT_PREALLOCATE=false`, so that
+- `--device gpu` (a run of at most 8 minutes): the guide's sizes, each configuration in a
+  process of its own with `XLA_PYTHON_CLIENT_PREALLOCATE=false`, so that
   `device.memory_stats()["peak_bytes_in_use"]` is its peak; the memory report's prediction
-  beside it (goal: within 5%). Writes `results/gpu.json`. (Formerly `benchmarks/gpu.py`.)
+  beside it (goal: within 5%). Writes `results/gpu.json`.
 - `--device cpu`: reduced sizes; each group's configurations in one process, timed in
   rounds that alternate their order (ABBA), a ratio the median of per-round ratios: the
   drift of a shared machine cancels. Writes `results/speed.json`.
 - `--smoke`: every configuration at tiny sizes in one process (a check of the script).
 
-Groups and goals: `remat/*` (the guide's encoder under each preset: full remat at most 0.20x
-the peak at most 1.30x the time; a selective preset at most 0.6x at most 1.10x),
-`accumulate/*` (`accumulate=4` at least 0.95x the whole batch's and 1.2x `optax.MultiSteps`'s
-updates/s), `precision/*` (mixed bf16: at most 0.6x the peak, at least 1.8x the speed),
+Groups (`CONFIGS`, each against its `BASELINES` row; goals in `GOALS`): `remat/*` (the guide's
+encoder under each preset), `accumulate/*` (against `optax.MultiSteps` too), `precision/*`,
 `attention/*` (chunked, XLA's, cuDNN's), `stream/*` (a prefetched `DataStream` over `.npy`
-memory maps at least 0.95x batches on the device; the Trainer's data check at least 0.95x
-without it), `fsdp/*`, `sparse/*` (`memory.py`'s sparse storage on its MLP, against dense:
-issue 11's goal, at most 1.3x the time) and `paper/*` (WRN-28-2: FP32, FP16 +
-checkpointing, + 10 micro-batches, + 30% density).
+memory maps; the Trainer's data check), `fsdp/*`, `lm_loss/*` (the LM loss, whole
+logits or chunked), `sparse/*` (sparse storage on an MLP), `paper/*` (WRN-28-2: FP32, FP16 +
+checkpointing, + micro-batches, + 30% density), `optimizer_state/*` (Adam's state in 32,
+16 and 8 bits), `step_*/*` (the library's step against one
+written by hand, per model) and `plan/*` (`el.memory.plan` against one compile). The steps
+are `_steps.py`'s, one builder per kind; `memory.py` compiles the same steps.
 
     python benchmarks/speed.py --device gpu          # on a GPU: results/gpu.json
     python benchmarks/speed.py --device gpu --only remat/ accumulate/
@@ -36,7 +36,6 @@ os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -45,50 +44,55 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
-import equinox as eqx  # noqa: E402
+import _steps  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import jax.random as jr  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from _common import (  # noqa: E402
     GUIDE,
     MARKER,
     RESULTS,
-    compiled_memory,
-    encoder,
     interleaved,
     median_ratio,
     spawn_results,
     time_median,
     write_json,
 )
-from jax.sharding import Mesh  # noqa: E402
-from memory import SPARSE, SPARSE_MLP, sparse_mlp, wrn_loss  # noqa: E402
-
-import eqx_lowmem as el  # noqa: E402
+from _steps import (  # noqa: E402
+    CHAR_LM_GUIDE,
+    CHAR_LM_SMALL,
+    LM_LOSS,
+    LM_LOSS_SMOKE,
+    OPTIMIZERS,
+    SPARSE,
+    SPARSE_MLP,
+    STEP_CASES,
+)
 
 TINY = {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_ff": 32, "seq": 8, "batch": 4}
+# `plan`'s timing: a budget between its largest and smallest candidate's peak.
+PLAN = {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 128, "batch": 32,
+        "budget": 200_000_000}  # fmt: skip
 SIZES = {
     "gpu": {"transformer": GUIDE, "mlp": SPARSE_MLP,
             "wrn": {"depth": 28, "width": 2, "batch": 100, "image": 32}, "stream_samples": 512,
+            "lm_loss": LM_LOSS, "step_scale": 8, "plan": PLAN, "char_lm": CHAR_LM_GUIDE,
             "timing": {"burn_in": 3, "repeats": 10}},
     # A CPU update of the guide's size takes seconds: 4 blocks of width 128 (about 0.07 s).
     "cpu": {"transformer": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512,
                             "seq": 128, "batch": 8},
             "mlp": SPARSE_MLP,
             "wrn": {"depth": 16, "width": 1, "batch": 100, "image": 32}, "stream_samples": 256,
+            "lm_loss": LM_LOSS, "step_scale": 1, "plan": PLAN, "char_lm": CHAR_LM_SMALL,
             "timing": {"burn_in": 1, "repeats": 9}},
     "smoke": {"transformer": TINY, "mlp": {**SPARSE_MLP, "width": 32, "batch": 8},
               "wrn": {"depth": 10, "width": 1, "batch": 100, "image": 8}, "stream_samples": 16,
+              "lm_loss": LM_LOSS_SMOKE, "step_scale": 1,
+              "char_lm": {**CHAR_LM_SMALL, "layers": 1, "d_model": 16, "d_ff": 32, "seq": 8},
+              "plan": {**TINY, "budget": PLAN["budget"], "options": {"accumulates": [1]}},
               "timing": {"burn_in": 1, "repeats": 1}},
 }  # fmt: skip
 BUDGET_S = 450  # the GPU run; issue 13's bound is 8 minutes
 WORKER_TIMEOUT_S = 150
-MAX_SKIPPED = 30  # overflowing updates a dynamic loss scale may skip before the first good one
 DENSITY = 0.3
-SMOKE_REPORTS = ("remat/none",)  # the smoke run's one memory report (each is one more compile)
-
 CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops the last)
     **{f"remat/{p}": {"kind": "transformer", "remat": p, "report": True}
        for p in ("none", "full", "dots")},
@@ -110,6 +114,11 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
                              "attention": "cudnn"},
     "fsdp/replicated": {"kind": "fsdp", "shard": "data"},
     "fsdp/fsdp": {"kind": "fsdp", "shard": "fsdp"},
+    "lm_loss/naive": {"kind": "lm_loss", "chunk": None},
+    "lm_loss/chunked": {"kind": "lm_loss", "chunk": "auto"},
+    **{f"optimizer_state/{v}": {"kind": "optimizer_state", "variant": v} for v in OPTIMIZERS},
+    **{f"step_{c}/{way}": {"kind": "step", "case": c, "hand": way == "hand"}
+       for c in STEP_CASES for way in ("hand", "library")},
     **{f"sparse/{v}": {"kind": "sparse", "variant": v, "slow": v == "bcoo"} for v in SPARSE},
     "paper/fp32": {"kind": "wrn", "precision": None, "remat": "none", "accumulate": 1},
     "paper/fp16_remat": {"kind": "wrn", "precision": "half_fp16", "accumulate": 1},
@@ -124,11 +133,18 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
     "paper/fp16_remat_micro1_sparse30_gn": {"kind": "wrn", "precision": "half_fp16",
                                             "accumulate": 100, "density": DENSITY,
                                             "norm": "group"},
+    # Compiles timed once each (their builders time them), the persistent cache off.
+    "plan/one_compile": {"kind": "plan", "prune": None},
+    "plan/pruned": {"kind": "plan", "prune": True},
+    "plan/every": {"kind": "plan", "prune": False},
 }  # fmt: skip
 # Each group's baseline: the rows of a group are compared with it (on a CPU, side by side).
 BASELINES = {"remat": "remat/none", "precision": "remat/none", "accumulate": "remat/none",
              "attention": "attention/chunked", "stream": "stream/resident", "fsdp":
-             "fsdp/replicated", "sparse": "sparse/dense", "paper": "paper/fp32"}  # fmt: skip
+             "fsdp/replicated", "lm_loss": "lm_loss/naive", "sparse": "sparse/dense",
+             "paper": "paper/fp32", "plan": "plan/one_compile",
+             "optimizer_state": "optimizer_state/16bit",
+             **{f"step_{c}": f"step_{c}/hand" for c in STEP_CASES}}  # fmt: skip
 NONE, UPS = "remat/none", "updates_per_s"
 GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
     "full_remat_peak": ("remat/full", NONE, "peak", "<=", 0.20),
@@ -141,219 +157,19 @@ GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
     "mixed_bf16_speed": ("precision/mixed_bf16", NONE, UPS, ">=", 1.80),
     "stream_vs_resident": ("stream/memmap_prefetch", "stream/resident", UPS, ">=", 0.95),
     "check_data_stall": ("stream/trainer_checked", "stream/trainer_unchecked", UPS, ">=", 0.95),
+    "chunked_lm_loss_time": ("lm_loss/chunked", "lm_loss/naive", "step_s", "<=", 1.0),
+    "state_8bit_time": ("optimizer_state/8bit", "optimizer_state/16bit", "step_s", "<=", 1.15),
+    "plan_vs_one_compile": ("plan/pruned", "plan/one_compile", "step_s", "<=", 5.0),
+    **{
+        f"step_{c}_{what}": (f"step_{c}/library", f"step_{c}/hand", q, sense, bound)
+        for c in STEP_CASES
+        for what, q, sense, bound in (("time", UPS, ">=", 0.97), ("peak", "peak", "<=", 1.01))
+    },
 }
 REPORT_TOLERANCE = 0.05
 # The first update's loss and gradient norm, relative, between configurations computing the
 # same function: float32 (a GPU's matmuls may use TF32) and 16-bit.
-CHECK_RTOL = {"float32": 2e-3, "16bit": 5e-2}
-MIB = 2**20
-# The compile-only target of each device kind a GPU may report (`device_kind`).
-_KINDS = {"H100 80GB": "h100", "H100 PCIe": "h100-pcie", "H200": "h200", "A100-SXM4-40GB":
-          "a100-40gb", "A100-SXM4-80GB": "a100-80gb", "L4": "l4", "A10G": "a10g",
-          "RTX 4090": "rtx4090", "V100": "v100"}  # fmt: skip
-
-
-class Unavailable(Exception):
-    """A configuration this checkout or backend cannot run (cuDNN on a CPU, say)."""
-
-
-# ------------------------------------------------------------------------------ runners
-
-
-def _ready(tree) -> None:
-    jax.block_until_ready(eqx.filter(tree, eqx.is_array))
-
-
-def _batch(cfg: dict, key):
-    kx, ky = jr.split(key)
-    shape = (cfg["batch"], cfg["seq"], cfg["d_model"])
-    return jr.normal(kx, shape), jr.normal(ky, shape)
-
-
-def _tree_bytes(tree) -> int:
-    return sum(int(a.nbytes) for a in jax.tree.leaves(tree) if eqx.is_array(a))
-
-
-def _step_runner(step, state, batch, host: bool = False):
-    """The update of a `make_step`, after its first applied one (a dynamic loss scale may
-    skip the first few): `(update, info)` with the first update's loss and gradient norm."""
-    info: dict = {}
-    if host:  # the program's own host-memory figures (offloaded residuals on a GPU)
-        m = step.lower(state, batch).compile()
-        info["compiled"] = compiled_memory(m) | {
-            f"host_{k}": int(getattr(m.memory_analysis(), f"host_{k}_size_in_bytes", 0))
-            for k in ("argument", "output", "temp", "alias")
-        }
-    t0 = time.perf_counter()
-    state, metrics = step(state, batch)
-    _ready(state)
-    info["first_call_s"], skipped = time.perf_counter() - t0, 0
-    while not bool(metrics["finite"]) and skipped < MAX_SKIPPED:
-        skipped += 1
-        state, metrics = step(state, batch)
-    check = {k: float(metrics[k]) for k in ("loss", "grad_norm")}
-    if not (bool(metrics["finite"]) and all(map(math.isfinite, check.values()))):
-        raise FloatingPointError(f"no finite update in {skipped + 1} calls: {check}")
-    holder = [state]
-
-    def update():
-        holder[0], _ = step(holder[0], batch)
-        _ready(holder[0])
-
-    return update, {**info, "skipped_updates": skipped, **check}
-
-
-def _report(shapes, optimizer, batch, accumulate, precision) -> dict:
-    """The memory report's prediction (compile only), to compare with the measured peak;
-    on a GPU also the same step compiled for its kind as a compile-only target."""
-
-    structs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in batch)
-    args = (shapes, el.train.mse, optimizer, structs)
-    report = el.memory.memory_report(*args, accumulate=accumulate, precision=precision)
-    trusted = report.trusted.get(jax.default_backend(), "peak_bytes")
-    trusted = "peak_bytes" if trusted == "measured_peak_bytes" else trusted
-    parts = {k: int(v) for k, v in report.parts.items()}
-    out = {"peak_bytes": int(report.peak_bytes), "trusted": trusted, "parts": parts,
-           "predicted": int(getattr(report, trusted)), "compile_only_peak_bytes": None,
-           "attention": report.config.get("attention")}  # fmt: skip
-    if jax.default_backend() == "gpu":
-        kind = jax.devices()[0].device_kind
-        target = next((t for k, t in _KINDS.items() if k in kind), None)
-        if target is not None:
-            gpu = el.memory.memory_report(*args, accumulate=accumulate, precision=precision,
-                                          target=target)  # fmt: skip
-            out["compile_only_peak_bytes"] = int(gpu.peak_bytes)
-    return out
-
-
-def transformer(name: str, spec: dict, sizes: dict):
-    """The guide's encoder trained by `make_step`: remat, precision, accumulation, attention."""
-
-    cfg = sizes["transformer"]
-    remat, attention = spec.get("remat", "none"), spec.get("attention", "auto")
-    precision, accumulate = spec.get("precision"), spec.get("accumulate", 1)
-    if remat not in el.nn.PRESETS:
-        raise Unavailable(f"remat={remat!r} is not in eqx_lowmem.nn.PRESETS")
-    compute = el.precision.get_policy(precision).compute_dtype
-    head_dim = cfg["d_model"] // cfg["n_heads"]
-    used = el.nn.resolve_attention(attention if attention != "cudnn" else "auto", compute,
-                                   head_dim=head_dim)  # fmt: skip
-    if attention == "cudnn" and used != "cudnn":
-        raise Unavailable(f"cuDNN attention cannot run here (backend {jax.default_backend()}, "
-                          f"{jnp.dtype(compute).name}, head_dim {head_dim})")  # fmt: skip
-    optimizer = optax.sgd(0.01)
-    step = el.train.make_step(el.train.mse, optimizer, accumulate=accumulate, precision=precision)
-    model_key, data_key = jr.split(jr.PRNGKey(0))
-    state = step.init(encoder(cfg, model_key, remat, attention=attention), key=jr.PRNGKey(1))
-    batch = _batch(cfg, data_key)
-    update, info = _step_runner(step, state, batch, spec.get("host", False))
-    info |= {"attention": used, "compute_dtype": jnp.dtype(compute).name}
-    if spec.get("report") and (sizes["name"] != "smoke" or name in SMOKE_REPORTS):
-        shapes = eqx.filter_eval_shape(encoder, cfg, model_key, remat, attention=attention)
-        info["report"] = _report(shapes, optimizer, batch, accumulate, precision)
-    return update, info
-
-
-def multisteps(name: str, spec: dict, sizes: dict):
-    """`optax.MultiSteps`: one jitted call per micro-batch, parameters and state donated."""
-
-    cfg, k = sizes["transformer"], spec["accumulate"]
-    model_key, data_key = jr.split(jr.PRNGKey(0))
-    params, static = eqx.partition(encoder(cfg, model_key), eqx.is_inexact_array)
-    opt = optax.MultiSteps(optax.sgd(0.01), every_k_schedule=k)
-    x, y = _batch(cfg, data_key)
-    micro = [(x[i::k], y[i::k]) for i in range(k)]
-
-    def call(params, opt_state, x, y):
-        loss = lambda p: jnp.mean(el.train.mse(eqx.combine(p, static), x, y))  # noqa: E731
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    call = jax.jit(call, donate_argnums=(0, 1))
-    holder = [params, opt.init(params)]
-
-    def update():
-        for mx, my in micro:
-            holder[0], holder[1], value = call(holder[0], holder[1], mx, my)
-        _ready(holder[:2])
-        return value
-
-    loss = float(update())
-    if loss != loss:
-        raise FloatingPointError("MultiSteps' first update is not finite")
-    return update, {"loss": loss, "opt_state_bytes": _tree_bytes(holder[1])}
-
-
-def stream(name: str, spec: dict, sizes: dict):
-    """One epoch of the whole-batch float32 step: batches on the device, or a shuffled
-    `DataStream` over `.npy` memory maps with `prefetch` (or the Trainer over it)."""
-
-    cfg, n = sizes["transformer"], sizes["stream_samples"]
-    b, shape = cfg["batch"], (cfg["seq"], cfg["d_model"])
-    rng, tmp = np.random.default_rng(0), tempfile.mkdtemp(prefix="speed_stream_")
-    paths = []
-    for part in ("x", "y"):
-        paths.append(str(Path(tmp) / f"{part}.npy"))
-        np.save(paths[-1], rng.standard_normal((n, *shape), np.float32))
-    step = el.train.make_step(el.train.mse, optax.sgd(0.01))
-    holder = [step.init(encoder(cfg, jr.PRNGKey(0)), key=jr.PRNGKey(1))]
-    data = el.data.DataStream(tuple(paths), batch_size=b, key=0, drop_last=True)
-    if spec["source"] == "resident":
-        x, y = (np.load(p) for p in paths)
-        resident = [jax.device_put((x[i : i + b], y[i : i + b])) for i in range(0, n - b + 1, b)]
-    if "trainer" in spec:
-        trainer = el.train.Trainer(encoder(cfg, jr.PRNGKey(0)), el.train.mse, optax.sgd(0.01),
-                                   check_data=spec["trainer"], progress=False)  # fmt: skip
-
-    def update():  # one epoch; the figures are per batch (`per_call`)
-        if "trainer" in spec:
-            trainer.fit(epochs=1, key=jr.PRNGKey(1), stream=data)
-            return _ready(trainer.state)
-        for batch in resident if spec["source"] == "resident" else data.prefetch(depth=2):
-            holder[0], _ = step(holder[0], batch)
-        _ready(holder[0])
-
-    update()  # compiles
-    return update, {"per_call": n // b, "samples": n, "order": spec.get("trainer", spec["source"])}
-
-
-def fsdp(name: str, spec: dict, sizes: dict):
-    """The guide's encoder, Adam, full remat: replicated or FSDP over every local device."""
-
-    cfg, mesh = sizes["transformer"], Mesh(np.array(jax.devices()), ("data",))
-    step = el.train.make_step(el.train.mse, optax.adam(1e-3), mesh=mesh, shard=spec["shard"])
-    model_key, data_key = jr.split(jr.PRNGKey(0))
-    state = step.init(encoder(cfg, model_key, "full"), key=jr.PRNGKey(1))
-    update, info = _step_runner(step, state, _batch(cfg, data_key), host=True)
-    return update, {**info, "devices": jax.device_count()}
-
-
-def sparse(name: str, spec: dict, sizes: dict):
-    """A sparse-storage variant of `memory.py`'s MLP (`memory.SPARSE`): its step's time."""
-    model, batch, step = sparse_mlp(spec["variant"], sizes["mlp"])
-    return _step_runner(step, step.init(model, key=jr.PRNGKey(4)), batch)
-
-
-def wrn(name: str, spec: dict, sizes: dict):
-    """A WideResNet (momentum SGD, BatchNorm per micro-batch): the paper's rows."""
-
-    w = sizes["wrn"]
-    model_key, data_key, sparse_key = jr.split(jr.PRNGKey(0), 3)
-    model, bn = eqx.nn.make_with_state(el.nn.WideResNet)(
-        w["depth"], w["width"], 10, key=model_key,
-        remat=spec.get("remat", "checkpoint-residual-1"), norm=spec.get("norm", "batch"),
-    )  # fmt: skip
-    if spec.get("density") is not None:
-        model = el.sparse.sparsify(model, spec["density"], key=sparse_key,
-                                   exclude=el.nn.WideResNet.keep_dense)  # fmt: skip
-    options = {"accumulate": spec["accumulate"], "precision": spec["precision"]}
-    step = el.train.make_step(wrn_loss, optax.sgd(0.1, momentum=0.9), has_state=True, **options)
-    state = step.init(model, key=jr.PRNGKey(1), model_state=bn)
-    kx, ky = jr.split(data_key)
-    images = jr.randint(kx, (w["batch"], 3, w["image"], w["image"]), 0, 256).astype("uint8")
-    update, info = _step_runner(step, state, (images, jr.randint(ky, (w["batch"],), 0, 10)))
-    return update, {**info, "parameter_bytes": _tree_bytes(state.model)}
+CHECK_RTOL = {"float32": 2e-3, "16bit": 5e-2, "lm_loss": 2e-3, "optimizer_state": 2e-3}
 
 
 # ------------------------------------------------------------------------------- worker
@@ -371,12 +187,13 @@ def worker(payload: dict) -> None:
     for name in payload["names"]:
         spec, t0 = CONFIGS[name], time.perf_counter()
         try:
-            update, info = globals()[spec["kind"]](name, spec, sizes)
-            built[name] = update
-            if not payload["paired"]:
+            update, info = getattr(_steps, spec["kind"])(name, spec, sizes)
+            if update is not None:  # None: timed by its builder
+                built[name] = update
+            if not payload["paired"] and update is not None:
                 info["step_s"] = time_median(update, **timing) / info.get("per_call", 1)
                 info["peak"] = _peak()
-        except Unavailable as e:
+        except _steps.Unavailable as e:
             info = {"unavailable": str(e)}
         except Exception as e:  # recorded: one broken piece must not hide the rest
             info = {
@@ -469,6 +286,8 @@ def check_consistency(results: dict) -> dict:
         "float32": ["remat/none", "remat/full", "remat/dots", "remat/minimal",
                     "remat/minimal_offloaded", "accumulate/k4"],
         "16bit": ["precision/mixed_bf16", *(n for n in CONFIGS if n.startswith("attention/"))],
+        "lm_loss": ["lm_loss/naive", "lm_loss/chunked"],
+        "optimizer_state": [f"optimizer_state/{v}" for v in OPTIMIZERS],
     }  # fmt: skip
     out = {}
     for group, names in groups.items():
@@ -479,23 +298,9 @@ def check_consistency(results: dict) -> dict:
                         for q in ("loss", "grad_norm"))  # fmt: skip
             out[group] = {"names": names, "max_rel_diff": worst, "rtol": CHECK_RTOL[group],
                           "ok": worst <= CHECK_RTOL[group]}  # fmt: skip
-    return out
-
-
-def tables(results: dict) -> dict:
-    """Each group's rows against its baseline: peak MiB, ms per update and their ratios."""
-    out = {}
-    for group, base in BASELINES.items():
-        names = [n for n in CONFIGS if n.startswith(f"{group}/")]
-        base = base or names[0]
-        rows = [{"name": n, "status": next((k for k in ("unavailable", "error", "skipped")
-                                            if k in results.get(n, {})), "ok"),
-                 "peak_mib": (results.get(n, {}).get("peak") or 0) / MIB or None,
-                 "time_vs_base": results.get(n, {}).get("time_vs_base")
-                 or _ratio(results, n, base, "step_s"),
-                 "peak_vs_base": _ratio(results, n, base, "peak")}
-                for n in dict.fromkeys([base, *names])]  # fmt: skip
-        out[group] = {"baseline": base, "rows": rows}
+    best = [results.get(f"plan/{n}", {}).get("best") for n in ("pruned", "every")]
+    if None not in best:  # pruning must not change plan's choice
+        out["plan"] = {"names": ["plan/pruned", "plan/every"], "ok": best[0] == best[1]}
     return out
 
 
@@ -564,14 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     record = {"mode": mode, "sizes": SIZES["smoke" if args.smoke else args.device],
               "environment_variables": {k: os.environ.get(k) for k in
                                         ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS")},
-              "configs": results, "goals": evaluate_goals(results), "tables": tables(results),
+              "configs": results, "goals": evaluate_goals(results),
               "checks": check_consistency(results), "wall_s": time.perf_counter() - t0}  # fmt: skip
     path = write_json(out.stem, record, directory=out.parent)
     for name, g in record["goals"].items():
         shown = "n/a" if g["ratio"] is None else f"{g['ratio']:.3f}"
         print(f"  goal {name:<28} {shown:>8}  {g['goal']:<10} met={g['met']}")
     for name, c in record["checks"].items():
-        print(f"  check {name}: max rel diff {c['max_rel_diff']:.2e} ok={c['ok']}")
+        print(f"  check {name}: max rel diff {c.get('max_rel_diff', 0):.2e} ok={c['ok']}")
     print(f"wrote {path} in {record['wall_s']:.0f} s")
     return 0
 

@@ -222,8 +222,8 @@ def chunked_cross_entropy(
     them when its cotangent is `weights` times one number, which is what every weighted
     mean of the losses gives (the library's steps, `next_token_loss`). Any other cotangent
     is exact too: the backward pass then recomputes the logits one vocabulary chunk of
-    `chunk` at a time (a fourth matmul). Measured side by side in
-    `benchmarks/lm_loss.py`.
+    `chunk` at a time (a fourth matmul). Measured side by side by
+    `benchmarks/speed.py --only lm_loss/` (memory: `benchmarks/memory.py --only lm_loss/`).
 
     The matmuls run in `hidden`'s dtype (16-bit under mixed precision) with float32
     accumulation; the log-sum-exp, the losses and the softmax's gradient are float32. The

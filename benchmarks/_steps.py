@@ -1,0 +1,473 @@
+"""The models, losses and training steps the two grids measure: `memory.py` compiles them,
+`speed.py` times them (each of its kinds a builder here, `(name, spec, sizes) -> (update,
+info)`: the update to time, and what the build found: the first update's loss and gradient
+norm, figures compiled on the way).
+"""
+
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import optax
+from _common import compiled_memory, encoder
+from jax.sharding import Mesh
+
+import eqx_lowmem as el
+
+LM_LOSS = {"vocab": 32_000, "d_model": 512, "layers": 2, "heads": 8, "d_ff": 2048, "remat": True,
+           "batch": 8, "seq": 256}  # fmt: skip
+LM_LOSS_SMOKE = {**LM_LOSS, "vocab": 4096, "d_model": 32, "d_ff": 64, "seq": 16}
+STEP_CASES = ("mlp", "lm", "wrn", "encoder64")  # `step_cases`
+# Adam's state in float32, 16 bits and 8 bits (`optimizer_state/*`), on a character LM:
+# the guide's (12 layers, full recomputation: compiled) and a small one (timed).
+OPTIMIZERS = {
+    "float32": lambda: optax.adam(3e-3),
+    "16bit": lambda: el.precision.half_state(optax.adam(3e-3)),
+    "8bit": lambda: el.precision.quantized_state(optax.adam(3e-3)),
+}
+CHAR_VOCAB = 128
+CHAR_LM_SMALL = {"layers": 2, "d_model": 128, "heads": 4, "d_ff": 512, "seq": 64, "batch": 16}
+CHAR_LM_GUIDE = {"layers": 12, "d_model": 512, "heads": 8, "d_ff": 2048, "seq": 256, "batch": 32}
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+# Sparse storage: name -> (label, storage, DSR's period). "rewired": ours after 30 DSR
+# rewirings on other batches (training's steady state: a timed run never reaches step 100,
+# and a rewired layout is not the one `sparsify` makes); "masked": jaxpruner's way (dense
+# weight and Adam state, a uint8 mask); "bcoo": `jax.experimental.sparse` BCOO weights.
+SPARSE = {
+    "dense": ("dense", None, None),
+    "masked": ("masked dense (jaxpruner)", "masked", None),
+    "ours": ("ours", "indices", None),
+    "ours_dsr1": ("ours + DSR every step", "indices", 1),
+    "ours_dsr100": ("ours + DSR every 100 steps", "indices", 100),
+    "bits": ("ours, positions as a bit set", "bits", None),
+    "bits_dsr100": ("ours, positions as a bit set + DSR every 100 steps", "bits", 100),
+    "bcoo": ("BCOO", "bcoo", None),
+    "rewired_dsr100": ("ours + DSR every 100 steps, after 30 rewirings", "rewired", 100),
+}  # fmt: skip
+SPARSE_MLP = {"width": 1024, "layers": 3, "batch": 128, "density": 0.3, "slack": 0.1}
+MAX_SKIPPED = 30  # overflowing updates a dynamic loss scale may skip before the first good one
+SMOKE_REPORTS = ("remat/none",)  # the smoke run's one memory report (each is one more compile)
+
+# The compile-only target of each device kind a GPU may report (`device_kind`).
+_KINDS = {"H100 80GB": "h100", "H100 PCIe": "h100-pcie", "H200": "h200", "A100-SXM4-40GB":
+          "a100-40gb", "A100-SXM4-80GB": "a100-80gb", "L4": "l4", "A10G": "a10g",
+          "RTX 4090": "rtx4090", "V100": "v100"}  # fmt: skip
+
+
+class MaskedLinear(eqx.Module):
+    """jaxpruner's way: a dense weight and a uint8 mask; the forward uses weight * mask."""
+
+    weight: jax.Array
+    bias: jax.Array
+    mask: jax.Array
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def __call__(self, x, *, key=None):
+        return (self.weight * self.mask.astype(self.weight.dtype)) @ x + self.bias
+
+
+class BCOOLinear(eqx.Module):
+    """`jax.experimental.sparse` BCOO weight: trainable data, integer indices."""
+
+    data: jax.Array
+    indices: jax.Array
+    bias: jax.Array
+    shape: tuple[int, int] = eqx.field(static=True)
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    def __call__(self, x, *, key=None):
+        from jax.experimental import sparse
+
+        return sparse.BCOO((self.data, self.indices), shape=self.shape) @ x + self.bias
+
+
+def sparse_mlp(name: str, cfg: dict) -> tuple:
+    """`SPARSE[name]`'s model of the MLP at `cfg`'s size, a batch `(x, y)` and its step
+    (cross-entropy, Adam; DSR after each update where the row says)."""
+
+    _, storage, period = SPARSE[name]
+    dense = el.nn.mlp([cfg["width"]] * (cfg["layers"] + 1) + [10], key=jr.PRNGKey(0))
+    x = jr.normal(jr.PRNGKey(2), (cfg["batch"], cfg["width"]))
+    y = jr.randint(jr.PRNGKey(3), (cfg["batch"],), 0, 10)
+
+    def step(period):
+        hook = None if period is None else el.sparse.dsr(period=period)
+        return el.train.make_step(el.train.cross_entropy, optax.adam(1e-3), after_update=hook)
+
+    if storage is None:
+        return dense, (x, y), step(None)
+    model = el.sparse.sparsify(dense, cfg["density"], key=jr.PRNGKey(1), slack=cfg["slack"],
+                               storage="bits" if storage == "bits" else "indices")  # fmt: skip
+    if storage in ("masked", "bcoo"):  # the same positions, stored their way
+        layers = []
+        for d, s in zip(dense.layers, model.layers, strict=True):
+            keep = np.asarray(el.sparse.densify(s).weight != 0)
+            rows, cols = np.nonzero(keep)
+            idx = jnp.asarray(np.stack([rows, cols], 1), jnp.int32)
+            masked = MaskedLinear(d.weight, d.bias, jnp.asarray(keep, jnp.uint8))
+            bcoo = BCOOLinear(d.weight[rows, cols], idx, d.bias, keep.shape)
+            layers.append(masked if storage == "masked" else bcoo)
+        model = el.nn.MLP(layers=tuple(layers), activation=dense.activation)
+    if storage == "rewired":  # on other batches: a model that learnt the timed one is not
+        rewire = step(1)  # training's steady state (and its zero gradients are denormal)
+        state = rewire.init(model, key=jr.PRNGKey(5))
+        for i in range(30):
+            kx, ky = jr.split(jr.PRNGKey(6 + i))
+            other = jr.normal(kx, x.shape), jr.randint(ky, y.shape, 0, 10)
+            state, _ = rewire(state, other)
+        model = state.model
+    return model, (x, y), step(period)
+
+
+def wrn_loss(model, state, x, y):
+    """Per-image cross-entropy of a WideResNet; uint8 images normalised as CIFAR-10's."""
+    mean = jnp.asarray(CIFAR_MEAN, jnp.float32)[:, None, None]
+    std = jnp.asarray(CIFAR_STD, jnp.float32)[:, None, None]
+    x = ((x.astype(jnp.float32) / 255.0 - mean) / std).astype(model.stem.weight.dtype)
+    logits, state = model.batched(x, state)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y), state
+
+
+def lm_mean_loss(model, tokens, chunk):
+    """`next_token_loss`'s weighted mean, whole logits (`chunk=None`) or chunked."""
+    values, weights = el.train.next_token_loss(model, tokens, chunk=chunk)
+    return jnp.sum(values * weights) / jnp.sum(weights)
+
+
+def hand_step(model, loss, optimizer):
+    """The step a user writes by hand: the mean loss (weighted, where the loss returns
+    weights), its gradient, the optimizer's update; params and optimizer state donated.
+    Returns the jitted `step(params, opt_state, batch) -> (params, opt_state, loss)`."""
+    static = eqx.partition(model, eqx.is_inexact_array)[1]
+
+    def step(params, opt_state, batch):
+        def mean_loss(p):
+            out = loss(eqx.combine(p, static), *batch)
+            values, w = out if isinstance(out, tuple) else (out, jnp.ones_like(out))
+            return jnp.sum(values * w) / jnp.sum(w)
+
+        value, grads = jax.value_and_grad(mean_loss)(params)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def step_cases(scale: int = 1) -> dict:
+    """The `step/*` cases: name -> (model, loss, batch); `scale` multiplies the batch."""
+    k = jr.PRNGKey(0)
+    kx, ky = jr.split(jr.PRNGKey(1))
+    # GroupNorm: no batch statistics, so its (empty) state is a constant of the loss.
+    wrn, wrn_state = eqx.nn.make_with_state(el.nn.WideResNet)(10, 2, 10, key=k, norm="group")
+
+    def wrn_loss(m, x, y):
+        logits = m.batched(x, wrn_state)[0].astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y)
+
+    def lm_loss(model, tokens):  # no key, no dropout: both steps call the same function
+        return el.train.next_token_loss(model, tokens)
+
+    images, labels = jr.normal(kx, (16 * scale, 3, 32, 32)), jr.randint(ky, (16 * scale,), 0, 10)
+    return {
+        "mlp": (el.nn.mlp([784, 512, 512, 10], key=k), el.train.cross_entropy,
+                (jr.normal(kx, (256 * scale, 784)), jr.randint(ky, (256 * scale,), 0, 10))),
+        "lm": (el.nn.CausalLM(512, 64, 4, 128, 4, 512, key=k), lm_loss,
+               (jr.randint(kx, (8 * scale, 64), 0, 512),)),
+        "wrn": (wrn, wrn_loss, (images, labels)),
+        "encoder64": (el.nn.transformer_encoder(64, 64, 4, 256, key=k, remat=True), el.train.mse,
+                      (jr.normal(kx, (4 * scale, 16, 64)), jr.normal(ky, (4 * scale, 16, 64)))),
+    }  # fmt: skip
+
+
+class Unavailable(Exception):
+    """A configuration this checkout or backend cannot run (cuDNN on a CPU, say)."""
+
+
+# ------------------------------------------------------------------------------ runners
+
+
+def _ready(tree) -> None:
+    jax.block_until_ready(eqx.filter(tree, eqx.is_array))
+
+
+def _batch(cfg: dict, key):
+    kx, ky = jr.split(key)
+    shape = (cfg["batch"], cfg["seq"], cfg["d_model"])
+    return jr.normal(kx, shape), jr.normal(ky, shape)
+
+
+def _tree_bytes(tree) -> int:
+    return sum(int(a.nbytes) for a in jax.tree.leaves(tree) if eqx.is_array(a))
+
+
+def _step_runner(step, state, batch, host: bool = False):
+    """The update of a `make_step`, after its first applied one (a dynamic loss scale may
+    skip the first few): `(update, info)` with the first update's loss and gradient norm."""
+    info: dict = {}
+    if host:  # the program's own host-memory figures (offloaded residuals on a GPU)
+        m = step.lower(state, batch).compile()
+        info["compiled"] = compiled_memory(m) | {
+            f"host_{k}": int(getattr(m.memory_analysis(), f"host_{k}_size_in_bytes", 0))
+            for k in ("argument", "output", "temp", "alias")
+        }
+    t0 = time.perf_counter()
+    state, metrics = step(state, batch)
+    _ready(state)
+    info["first_call_s"], skipped = time.perf_counter() - t0, 0
+    while not bool(metrics["finite"]) and skipped < MAX_SKIPPED:
+        skipped += 1
+        state, metrics = step(state, batch)
+    check = {k: float(metrics[k]) for k in ("loss", "grad_norm")}
+    if not (bool(metrics["finite"]) and all(map(math.isfinite, check.values()))):
+        raise FloatingPointError(f"no finite update in {skipped + 1} calls: {check}")
+    holder = [state]
+
+    def update():
+        holder[0], _ = step(holder[0], batch)
+        _ready(holder[0])
+
+    return update, {**info, "skipped_updates": skipped, **check}
+
+
+def _report(shapes, optimizer, batch, accumulate, precision) -> dict:
+    """The memory report's prediction (compile only), to compare with the measured peak;
+    on a GPU also the same step compiled for its kind as a compile-only target."""
+
+    structs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in batch)
+    args = (shapes, el.train.mse, optimizer, structs)
+    report = el.memory.memory_report(*args, accumulate=accumulate, precision=precision)
+    trusted = report.trusted.get(jax.default_backend(), "peak_bytes")
+    trusted = "peak_bytes" if trusted == "measured_peak_bytes" else trusted
+    parts = {k: int(v) for k, v in report.parts.items()}
+    out = {"peak_bytes": int(report.peak_bytes), "trusted": trusted, "parts": parts,
+           "predicted": int(getattr(report, trusted)), "compile_only_peak_bytes": None,
+           "attention": report.config.get("attention")}  # fmt: skip
+    if jax.default_backend() == "gpu":
+        kind = jax.devices()[0].device_kind
+        target = next((t for k, t in _KINDS.items() if k in kind), None)
+        if target is not None:
+            gpu = el.memory.memory_report(*args, accumulate=accumulate, precision=precision,
+                                          target=target)  # fmt: skip
+            out["compile_only_peak_bytes"] = int(gpu.peak_bytes)
+    return out
+
+
+def transformer(name: str, spec: dict, sizes: dict):
+    """The guide's encoder trained by `make_step`: remat, precision, accumulation, attention."""
+
+    cfg = sizes["transformer"]
+    remat, attention = spec.get("remat", "none"), spec.get("attention", "auto")
+    precision, accumulate = spec.get("precision"), spec.get("accumulate", 1)
+    if remat not in el.nn.PRESETS:
+        raise Unavailable(f"remat={remat!r} is not in eqx_lowmem.nn.PRESETS")
+    compute = el.precision.get_policy(precision).compute_dtype
+    head_dim = cfg["d_model"] // cfg["n_heads"]
+    used = el.nn.resolve_attention(attention if attention != "cudnn" else "auto", compute,
+                                   head_dim=head_dim)  # fmt: skip
+    if attention == "cudnn" and used != "cudnn":
+        raise Unavailable(f"cuDNN attention cannot run here (backend {jax.default_backend()}, "
+                          f"{jnp.dtype(compute).name}, head_dim {head_dim})")  # fmt: skip
+    optimizer = optax.sgd(0.01)
+    step = el.train.make_step(el.train.mse, optimizer, accumulate=accumulate, precision=precision)
+    model_key, data_key = jr.split(jr.PRNGKey(0))
+    state = step.init(encoder(cfg, model_key, remat, attention=attention), key=jr.PRNGKey(1))
+    batch = _batch(cfg, data_key)
+    update, info = _step_runner(step, state, batch, spec.get("host", False))
+    info |= {"attention": used, "compute_dtype": jnp.dtype(compute).name}
+    if spec.get("report") and (sizes["name"] != "smoke" or name in SMOKE_REPORTS):
+        shapes = eqx.filter_eval_shape(encoder, cfg, model_key, remat, attention=attention)
+        info["report"] = _report(shapes, optimizer, batch, accumulate, precision)
+    return update, info
+
+
+def multisteps(name: str, spec: dict, sizes: dict):
+    """`optax.MultiSteps`: a hand-written step per micro-batch."""
+    cfg, k = sizes["transformer"], spec["accumulate"]
+    model_key, data_key = jr.split(jr.PRNGKey(0))
+    model, opt = encoder(cfg, model_key), optax.MultiSteps(optax.sgd(0.01), every_k_schedule=k)
+    call, (x, y) = hand_step(model, el.train.mse, opt), _batch(cfg, data_key)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    holder = [params, opt.init(params)]
+
+    def update():
+        for i in range(k):
+            holder[0], holder[1], value = call(holder[0], holder[1], (x[i::k], y[i::k]))
+        _ready(holder[:2])
+        return value
+
+    loss = float(update())
+    if loss != loss:
+        raise FloatingPointError("MultiSteps' first update is not finite")
+    return update, {"loss": loss, "opt_state_bytes": _tree_bytes(holder[1])}
+
+
+def stream(name: str, spec: dict, sizes: dict):
+    """One epoch of the whole-batch float32 step: batches on the device, or a shuffled
+    `DataStream` over `.npy` memory maps with `prefetch` (or the Trainer over it)."""
+
+    cfg, n = sizes["transformer"], sizes["stream_samples"]
+    b, shape = cfg["batch"], (cfg["seq"], cfg["d_model"])
+    rng, tmp = np.random.default_rng(0), tempfile.mkdtemp(prefix="speed_stream_")
+    paths = []
+    for part in ("x", "y"):
+        paths.append(str(Path(tmp) / f"{part}.npy"))
+        np.save(paths[-1], rng.standard_normal((n, *shape), np.float32))
+    step = el.train.make_step(el.train.mse, optax.sgd(0.01))
+    holder = [step.init(encoder(cfg, jr.PRNGKey(0)), key=jr.PRNGKey(1))]
+    data = el.data.DataStream(tuple(paths), batch_size=b, key=0, drop_last=True)
+    if spec["source"] == "resident":
+        x, y = (np.load(p) for p in paths)
+        resident = [jax.device_put((x[i : i + b], y[i : i + b])) for i in range(0, n - b + 1, b)]
+    if "trainer" in spec:
+        trainer = el.train.Trainer(encoder(cfg, jr.PRNGKey(0)), el.train.mse, optax.sgd(0.01),
+                                   check_data=spec["trainer"], progress=False)  # fmt: skip
+
+    def update():  # one epoch; the figures are per batch (`per_call`)
+        if "trainer" in spec:
+            trainer.fit(epochs=1, key=jr.PRNGKey(1), stream=data)
+            return _ready(trainer.state)
+        for batch in resident if spec["source"] == "resident" else data.prefetch(depth=2):
+            holder[0], _ = step(holder[0], batch)
+        _ready(holder[0])
+
+    update()  # compiles
+    return update, {"per_call": n // b, "samples": n, "order": spec.get("trainer", spec["source"])}
+
+
+def fsdp(name: str, spec: dict, sizes: dict):
+    """The guide's encoder, Adam, full remat: replicated or FSDP over every local device."""
+
+    cfg, mesh = sizes["transformer"], Mesh(np.array(jax.devices()), ("data",))
+    step = el.train.make_step(el.train.mse, optax.adam(1e-3), mesh=mesh, shard=spec["shard"])
+    model_key, data_key = jr.split(jr.PRNGKey(0))
+    state = step.init(encoder(cfg, model_key, "full"), key=jr.PRNGKey(1))
+    update, info = _step_runner(step, state, _batch(cfg, data_key), host=True)
+    return update, {**info, "devices": jax.device_count()}
+
+
+def sparse(name: str, spec: dict, sizes: dict):
+    """A sparse-storage variant of the MLP (`SPARSE`, `sparse_mlp`): its step's time."""
+    model, batch, step = sparse_mlp(spec["variant"], sizes["mlp"])
+    return _step_runner(step, step.init(model, key=jr.PRNGKey(4)), batch)
+
+
+def lm_loss(name: str, spec: dict, sizes: dict):
+    """The LM loss-and-gradient (`LM_LOSS`, `lm_mean_loss`): whole logits, or chunked (then
+    compared once with the whole logits' in this process)."""
+    c = sizes["lm_loss"]
+    model = el.nn.CausalLM(c["vocab"], c["seq"], c["layers"], c["d_model"], c["heads"],
+                           c["d_ff"], key=jr.key(0), remat=c["remat"])  # fmt: skip
+    tokens = jr.randint(jr.key(1), (c["batch"], c["seq"] + 1), 0, c["vocab"])
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(lm_mean_loss))
+    run = lambda chunk: jax.block_until_ready(grad(model, tokens, chunk))  # noqa: E731
+    loss, grads = run(spec["chunk"])
+    info = {"loss": float(loss), "grad_norm": float(optax.tree.norm(grads))}
+    if spec["chunk"] is not None:
+        whole_loss, whole = run(None)
+        diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), grads, whole)
+        info |= {"loss_abs_diff": float(jnp.abs(loss - whole_loss)),
+                 "grad_max_abs_diff": max(jax.tree.leaves(diffs))}  # fmt: skip
+    return lambda: run(spec["chunk"]), info
+
+
+def char_lm(cfg: dict, key, remat="none"):
+    """The `optimizer_state/*` rows' character LM (vocabulary 128) at `cfg`'s size."""
+    return el.nn.CausalLM(CHAR_VOCAB, cfg["seq"], cfg["layers"], cfg["d_model"], cfg["heads"],
+                          cfg["d_ff"], key=key, remat=remat)  # fmt: skip
+
+
+def char_loss(model, tokens, *, key=None):
+    return el.train.next_token_loss(model, tokens.astype(jnp.int32), key=key)
+
+
+def optimizer_state(name: str, spec: dict, sizes: dict):
+    """The small character LM's step with Adam's state in `spec["variant"]`'s precision."""
+    cfg = sizes["char_lm"]
+    step = el.train.make_step(char_loss, OPTIMIZERS[spec["variant"]]())
+    tokens = jr.randint(jr.PRNGKey(2), (cfg["batch"], cfg["seq"] + 1), 0, CHAR_VOCAB)
+    return _step_runner(step, step.init(char_lm(cfg, jr.PRNGKey(0)), key=jr.PRNGKey(1)), (tokens,))
+
+
+def step(name: str, spec: dict, sizes: dict):
+    """A `step_cases` case (Adam): the hand step, or the library's, which first
+    compares its parameters with the hand step's after each of 3 updates (the first exact,
+    the same gradient; later ones differ where rounding does, which Adam's division of a
+    near-zero gradient by its own size turns into steps)."""
+    model, loss, batch = step_cases(sizes["step_scale"])[spec["case"]]
+    params, optimizer = eqx.filter(model, eqx.is_inexact_array), optax.adam(1e-3)
+    hand, box = hand_step(model, loss, optimizer), [jax.tree.map(jnp.copy, params)]
+    box.append(optimizer.init(box[0]))
+
+    def hand_update():
+        box[0], box[1], value = hand(box[0], box[1], batch)
+        return jax.block_until_ready(value)
+
+    if spec["hand"]:
+        return hand_update, {"loss": float(hand_update())}
+    library = el.train.make_step(loss, optimizer)
+    state, diffs = library.init(model, key=jr.PRNGKey(2)), []
+    for _ in range(3):
+        state, _ = library(state, batch)
+        hand_update()
+        pairs = zip(jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array)),
+                    jax.tree.leaves(box[0]), strict=True)  # fmt: skip
+        diffs.append(max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-12))
+                         for a, b in pairs))  # fmt: skip
+    update, info = _step_runner(library, state, batch)
+    return update, {**info, "max_relative_param_diff_after_1": diffs[0],
+                    "max_relative_param_diff_after_3": diffs[-1]}  # fmt: skip
+
+
+def plan(name: str, spec: dict, sizes: dict):
+    """`el.memory.plan`'s default candidates (pruned, or every one compiled) or one compile
+    of the default step (no remat, one micro-batch, float32), on the encoder at
+    `sizes["plan"]` (its `options` narrow the candidates: the smoke run's): no update to
+    time, the seconds of the one call (`step_s`)."""
+    jax.config.update("jax_enable_compilation_cache", False)  # compiling is what is timed
+    c, start = sizes["plan"], time.perf_counter()
+    x = jax.ShapeDtypeStruct((c["batch"], c["seq"], c["d_model"]), jnp.float32)
+    make_model = lambda remat: encoder(c, jr.PRNGKey(0), remat)  # noqa: E731
+    if spec["prune"] is None:
+        step = el.train.make_step(el.train.mse, optax.adam(1e-3))
+        state = eqx.filter_eval_shape(lambda: step.init(make_model(False), key=jr.PRNGKey(0)))
+        step.lower(state, (x, x)).compile()
+        return None, {"step_s": time.perf_counter() - start}
+    p = el.memory.plan(make_model, el.train.mse, optax.adam(1e-3), (x, x), budget=c["budget"],
+                       prune=spec["prune"], **c.get("options", {}))  # fmt: skip
+    best = [str(p.best.remat), p.best.accumulate, str(p.best.precision)]
+    return None, {"step_s": time.perf_counter() - start, "compiled": len(p.candidates),
+                  "best": best}  # fmt: skip
+
+
+def wrn(name: str, spec: dict, sizes: dict):
+    """A WideResNet (momentum SGD, BatchNorm per micro-batch): the paper's rows."""
+
+    w = sizes["wrn"]
+    model_key, data_key, sparse_key = jr.split(jr.PRNGKey(0), 3)
+    model, bn = eqx.nn.make_with_state(el.nn.WideResNet)(
+        w["depth"], w["width"], 10, key=model_key,
+        remat=spec.get("remat", "checkpoint-residual-1"), norm=spec.get("norm", "batch"),
+    )  # fmt: skip
+    if spec.get("density") is not None:
+        model = el.sparse.sparsify(model, spec["density"], key=sparse_key,
+                                   exclude=el.nn.WideResNet.keep_dense)  # fmt: skip
+    options = {"accumulate": spec["accumulate"], "precision": spec["precision"]}
+    step = el.train.make_step(wrn_loss, optax.sgd(0.1, momentum=0.9), has_state=True, **options)
+    state = step.init(model, key=jr.PRNGKey(1), model_state=bn)
+    kx, ky = jr.split(data_key)
+    images = jr.randint(kx, (w["batch"], 3, w["image"], w["image"]), 0, 256).astype("uint8")
+    update, info = _step_runner(step, state, (images, jr.randint(ky, (w["batch"],), 0, 10)))
+    return update, {**info, "parameter_bytes": _tree_bytes(state.model)}
