@@ -431,6 +431,39 @@ def step(name: str, spec: dict, sizes: dict):
                     "max_relative_param_diff_after_3": diffs[-1]}  # fmt: skip
 
 
+def fit(name: str, spec: dict, sizes: dict):
+    """The MLP of `step_cases` (Adam) for one epoch of in-memory arrays, `fit_updates`
+    shuffled batches: `Trainer.fit` (its defaults: prefetch, data check) against the loop a
+    user writes (a permutation, a NumPy gather per batch, the hand step). One call is one
+    epoch (`per_call` updates), so `fit`'s per-call costs count."""
+    model, loss, (x, _) = step_cases(sizes["step_scale"])["mlp"]
+    b, updates, rng = x.shape[0], sizes.get("fit_updates", 40), np.random.default_rng(0)
+    xs = rng.standard_normal((b * updates, x.shape[1]), dtype=np.float32)
+    ys = rng.integers(0, 10, b * updates).astype(np.int32)
+    optimizer = optax.adam(1e-3)
+    if spec["hand"]:
+        hand, params = hand_step(model, loss, optimizer), jax.tree.map(jnp.copy, model)
+        box = [eqx.filter(params, eqx.is_inexact_array)]
+        box.append(optimizer.init(box[0]))
+
+        def epoch():
+            order = rng.permutation(len(xs))
+            for i in range(updates):
+                rows = order[i * b : (i + 1) * b]
+                box[0], box[1], value = hand(box[0], box[1], (xs[rows], ys[rows]))
+            jax.block_until_ready(value)
+
+    else:
+        trainer = el.train.Trainer(model, loss, optimizer, progress=False)
+
+        def epoch():
+            trainer.fit(xs, ys, epochs=1, micro_batch=b, key=jr.PRNGKey(1))
+            _ready(trainer.state)
+
+    epoch()  # compiles
+    return epoch, {"per_call": updates}
+
+
 def plan(name: str, spec: dict, sizes: dict):
     """`el.memory.plan`'s default candidates (pruned, or every one compiled) or one compile
     of the default step (no remat, one micro-batch, float32), on the encoder at

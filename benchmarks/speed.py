@@ -19,9 +19,9 @@ encoder under each preset), `accumulate/*` (against `optax.MultiSteps` too), `pr
 memory maps; the Trainer's data check), `fsdp/*`, `lm_loss/*` (the LM loss, whole
 logits or chunked), `sparse/*` (sparse storage on an MLP), `paper/*` (WRN-28-2: FP32, FP16 +
 checkpointing, + micro-batches, + 30% density), `optimizer_state/*` (Adam's state in 32,
-16 and 8 bits), `step_*/*` (the library's step against one
-written by hand, per model) and `plan/*` (`el.memory.plan` against one compile). The steps
-are `_steps.py`'s, one builder per kind; `memory.py` compiles the same steps.
+16 and 8 bits), `step_*/*` (the library's step against one written by hand, per model),
+`fit/*` (`Trainer.fit` against a hand loop) and `plan/*` (`el.memory.plan` against one
+compile). The steps are `_steps.py`'s, one builder per kind; `memory.py` compiles the same steps.
 
     python benchmarks/speed.py --device gpu          # on a GPU: results/gpu.json
     python benchmarks/speed.py --device gpu --only remat/ accumulate/
@@ -85,7 +85,7 @@ SIZES = {
             "timing": {"burn_in": 1, "repeats": 9}},
     "smoke": {"transformer": TINY, "mlp": {**SPARSE_MLP, "width": 32, "batch": 8},
               "wrn": {"depth": 10, "width": 1, "batch": 100, "image": 8}, "stream_samples": 16,
-              "lm_loss": LM_LOSS_SMOKE, "step_scale": 1,
+              "lm_loss": LM_LOSS_SMOKE, "step_scale": 1, "fit_updates": 2,
               "char_lm": {**CHAR_LM_SMALL, "layers": 1, "d_model": 16, "d_ff": 32, "seq": 8},
               "plan": {**TINY, "budget": PLAN["budget"], "options": {"accumulates": [1]}},
               "timing": {"burn_in": 1, "repeats": 1}},
@@ -133,6 +133,8 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
     "paper/fp16_remat_micro1_sparse30_gn": {"kind": "wrn", "precision": "half_fp16",
                                             "accumulate": 100, "density": DENSITY,
                                             "norm": "group"},
+    "fit/hand": {"kind": "fit", "hand": True},
+    "fit/trainer": {"kind": "fit", "hand": False},
     # Compiles timed once each (their builders time them), the persistent cache off.
     "plan/one_compile": {"kind": "plan", "prune": None},
     "plan/pruned": {"kind": "plan", "prune": True},
@@ -143,7 +145,7 @@ BASELINES = {"remat": "remat/none", "precision": "remat/none", "accumulate": "re
              "attention": "attention/chunked", "stream": "stream/resident", "fsdp":
              "fsdp/replicated", "lm_loss": "lm_loss/naive", "sparse": "sparse/dense",
              "paper": "paper/fp32", "plan": "plan/one_compile",
-             "optimizer_state": "optimizer_state/16bit",
+             "optimizer_state": "optimizer_state/16bit", "fit": "fit/hand",
              **{f"step_{c}": f"step_{c}/hand" for c in STEP_CASES}}  # fmt: skip
 NONE, UPS = "remat/none", "updates_per_s"
 GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
@@ -160,6 +162,7 @@ GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
     "chunked_lm_loss_time": ("lm_loss/chunked", "lm_loss/naive", "step_s", "<=", 1.0),
     "state_8bit_time": ("optimizer_state/8bit", "optimizer_state/16bit", "step_s", "<=", 1.15),
     "plan_vs_one_compile": ("plan/pruned", "plan/one_compile", "step_s", "<=", 5.0),
+    "fit_vs_hand_loop": ("fit/trainer", "fit/hand", UPS, ">=", 0.97),
     **{
         f"step_{c}_{what}": (f"step_{c}/library", f"step_{c}/hand", q, sense, bound)
         for c in STEP_CASES
