@@ -244,7 +244,9 @@ def _check_resumes_exactly_after_interrupt(directory, uninterrupted, stopped):
     "signum, how", [(signal.SIGINT, "interrupted"), (signal.SIGTERM, "stopped by SIGTERM")]
 )
 def test_interrupt_raise_keeps_the_saved_state_in_memory(tmp_path, signum, how):
-    # interrupt="raise" (notebooks): the same save, then KeyboardInterrupt.
+    # interrupt="raise" (notebooks): the same save, then KeyboardInterrupt. Update 3's
+    # metrics are read while update 4 runs (a step that applies every update), so the run
+    # stops after update 4, the update in flight, and keeps it.
     def callback(trainer, metrics):
         if metrics["updates"] == 3:
             os.kill(os.getpid(), signum)  # handled by fit: stop after this update
@@ -252,12 +254,12 @@ def test_interrupt_raise_keeps_the_saved_state_in_memory(tmp_path, signum, how):
     trainer = make_trainer(tmp_path, callback)
     trainer.interrupt = "raise"
     handler = signal.getsignal(signum)  # SIG_IGN in a background job, else the default
-    with pytest.raises(KeyboardInterrupt, match=f"{how} at update 3"):
+    with pytest.raises(KeyboardInterrupt, match=f"{how} at update 4"):
         fit(trainer)
     state, meta = el.train.load_checkpoint(
         tmp_path / el.train._checkpoint.CHECKPOINT_NAME, trainer.state
     )
-    assert meta["updates"] == 3 and int(state.step) == 3
+    assert meta["updates"] == 4 and int(state.step) == 4
     assert _same(state.model, trainer.state.model)
     assert signal.getsignal(signum) is handler  # restored
     assert not [t for t in threading.enumerate() if t.name.startswith("eqx_lowmem.data.")]
