@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, PyTree
 
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy
+from ._batches import ones
 from ._gradient import batch_sums
 from ._shard import auto_mesh, fsdp_layout, in_auto_axes, state_shardings
 from ._state import (
@@ -103,7 +104,6 @@ class Step:
         # unlike eqx.filter_jit, lowering then accepts jax.ShapeDtypeStruct stand-ins, so
         # memory can be analysed without allocating anything.
         self._jitted = jax.jit(self._step_arrays, static_argnums=3, donate_argnums=2)
-        self._ones: dict[int, Array] = {}  # `_unit_weights`' arrays, by batch size
 
     # -- what callers read ---------------------------------------------------------------
 
@@ -256,7 +256,7 @@ class Step:
             raise ValueError(_CONSUMED)
         batch = tuple(batch)
         size = self._check_batch(batch, weights)
-        w = self._unit_weights(size) if weights is None else weights
+        w = ones(size) if weights is None else weights
         local = 1 if c.mesh is None else max(1, self.n_shards // jax.process_count())
         if c.has_state:
             # Never pad a stateful model: repeats would enter BatchNorm's statistics. The
@@ -323,16 +323,6 @@ class Step:
         return self.trace(state, batch, weights).lower()
 
     # -- internals -------------------------------------------------------------------------
-
-    def _unit_weights(self, size: int) -> Array:
-        """Weights of 1 for `size` samples, put on the device once per size (a transfer
-        per call cost as much as the rest of the dispatch on small steps); not donated."""
-        ones = self._ones.get(size)
-        if ones is None:
-            ones = jnp.ones((size,), jnp.float32)
-            if not isinstance(ones, jax.core.Tracer):  # never keep one from inside a trace
-                self._ones[size] = ones
-        return ones
 
     def _check_batch(self, batch: tuple, weights) -> int:
         if not batch:
@@ -423,13 +413,15 @@ class Step:
             return apply_updates(params, updates, param_dtype=c.policy.param_dtype,
                                  key=round_key), opt_state  # fmt: skip
 
-        if not c.skip_nonfinite:
-            new_params, opt_state = update(state.opt_state)
+        def applied(grads=mean.grads) -> TrainState:
+            new_params, opt_state = update(state.opt_state, grads)
             return dataclasses.replace(
                 state, step=state.step + 1, model=eqx.combine(new_params, static),
                 opt_state=opt_state, model_state=sums.model_state,
             )  # fmt: skip
 
+        if not c.skip_nonfinite:
+            return applied()
         if c.after_update is not None:
             # A rewiring hook overwrites the slots in place inside its loop: after a
             # select XLA copies them first (every step); out of a `lax.cond` it does not.
@@ -438,12 +430,7 @@ class Step:
             def apply():
                 # The gradient formed again inside the branch, from the stored sums: a
                 # value the branch closed over would be stored whole in float32 first.
-                new_params, opt_state = update(state.opt_state, scaled(sums, mean.factor))
-                new = dataclasses.replace(
-                    state, step=state.step + 1, model=eqx.combine(new_params, static),
-                    opt_state=opt_state, model_state=sums.model_state,
-                )  # fmt: skip
-                return eqx.filter(new, eqx.is_array)
+                return eqx.filter(applied(scaled(sums, mean.factor)), eqx.is_array)
 
             return eqx.combine(if_finite_cond(finite, apply, dynamic), rest)
         new_params = select(finite, update(state.opt_state)[0], params)
