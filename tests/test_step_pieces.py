@@ -282,6 +282,25 @@ def test_reusing_a_donated_state_is_a_clear_error(getkey):
         step(state, batch)
 
 
+def test_a_state_passed_back_runs_as_a_rebuilt_one_and_is_not_kept_alive(getkey):
+    # The step keeps the split of the state it returned, so that a loop passing it back
+    # skips a flatten: the same updates as a state it never saw, and dropping the state
+    # frees its arrays (the step holds it weakly).
+    import weakref
+
+    step = el.train.make_step(el.train.mse, optax.adam(0.1))
+    model = el.nn.mlp([2, 4, 1], key=getkey())
+    batches = [(jr.normal(getkey(), (8, 2)), jr.normal(getkey(), (8, 1))) for _ in range(3)]
+    passed, rebuilt = (step.init(model, key=jr.PRNGKey(0)) for _ in range(2))
+    for batch in batches:
+        passed, _ = step(passed, batch)
+        rebuilt, _ = step(jax.tree.map(lambda x: x, rebuilt), batch)  # a new object
+    assert tree_allclose(passed, rebuilt, rtol=0, atol=0)
+    weight = weakref.ref(passed.model.layers[0].weight)
+    del passed
+    assert weight() is None
+
+
 @pytest.mark.parametrize(
     "key, said",
     [

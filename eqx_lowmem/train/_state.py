@@ -56,6 +56,7 @@ class Static:
 
     def __init__(self, treedef: Any, leaves: tuple):
         self.treedef, self.leaves = treedef, leaves
+        self._hash: int | None = None  # computed once: jax.jit hashes it every call
 
     def __hash__(self) -> int:
         def h(x):
@@ -64,7 +65,9 @@ class Static:
             except TypeError:
                 return id(x)
 
-        return hash((self.treedef, tuple(h(x) for x in self.leaves)))
+        if self._hash is None:
+            self._hash = hash((self.treedef, tuple(h(x) for x in self.leaves)))
+        return self._hash
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Static) or self.treedef != other.treedef:
