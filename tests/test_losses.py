@@ -59,6 +59,24 @@ def test_check_batch_reports_labels_outside_the_classes_as_bad_data():
         check_batch(functools.partial(cross_entropy), model, (x[:1], np.array([7])))
 
 
+def test_check_batch_asks_each_model_its_classes_and_keeps_none_alive():
+    # The output size is remembered for the last model asked (a loop asks every batch):
+    # another model with the same sample shape gets its own answer, and the one remembered
+    # is held weakly.
+    import weakref
+
+    x, labels = np.zeros((2, 3), np.float32), np.array([0, 4])
+    wide = eqx.nn.MLP(3, 5, 8, 1, key=jr.PRNGKey(0))
+    narrow = eqx.nn.MLP(3, 4, 8, 1, key=jr.PRNGKey(0))
+    check_batch(cross_entropy, wide, (x, labels))
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        check_batch(cross_entropy, narrow, (x, labels))
+    check_batch(cross_entropy, wide, (x, labels))
+    held = weakref.ref(wide)
+    del wide
+    assert held() is None
+
+
 def test_check_batch_token_ids_of_a_language_model():
     lm = el.nn.CausalLM(11, 8, 1, 8, 2, 16, key=jr.PRNGKey(0))
     tokens = np.zeros((2, 6), np.int32)

@@ -7,6 +7,7 @@ padding tokens). Every loss here computes in float32.
 """
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -235,9 +236,26 @@ def _builtin(loss_fn: Callable[..., Any]) -> Callable[..., Any] | None:
 _CLASSES: dict[Any, int | None] = {}
 
 
+# The last model asked about (held weakly), its sample's shape and dtype, and the answer:
+# a loop asks about the same model every batch, and flattening it cost more than the check.
+_LAST: list[Any] = [None, None, None]
+
+
 def _classes(model: Any, sample: np.ndarray) -> int | None:
     """The size of the last output axis of `model` on one sample, from shapes alone (no
     compute); None when the model cannot be traced this way (the step reports that)."""
+    ref, of, classes = _LAST
+    if ref is not None and ref() is model and of == (sample.shape, sample.dtype):
+        return classes
+    classes = _structural_classes(model, sample)
+    try:
+        _LAST[:] = [weakref.ref(model), (sample.shape, sample.dtype), classes]
+    except TypeError:  # not weakly referenceable
+        pass
+    return classes
+
+
+def _structural_classes(model: Any, sample: np.ndarray) -> int | None:
     leaves, treedef = jax.tree.flatten(model)
     shapes = tuple([(getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves])
     try:
