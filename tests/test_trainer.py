@@ -416,6 +416,40 @@ def _prefetch_threads():
     return [t for t in threading.enumerate() if t.name.startswith("eqx_lowmem.data.prefetch")]
 
 
+class _ThreadsSeen(el.train.Hook):
+    def __init__(self):
+        self.seen = []
+
+    def on_update(self, info):
+        self.seen.append(bool(_prefetch_threads()))
+
+
+def test_arrays_in_memory_on_cpu_are_read_inline_and_files_by_a_thread(tmp_path):
+    # On the CPU backend the step runs on the host's cores: a thread reading arrays that
+    # are already in memory overlaps nothing and takes cores from it. A memory-mapped
+    # file may wait on the disk, so it keeps the thread. Either way the updates are equal.
+    X, y = (np.asarray(a) for a in _guide_data())
+    np.save(tmp_path / "x.npy", X)
+    np.save(tmp_path / "y.npy", y)
+    sources = {
+        "arrays": (X, y),
+        "files": (tmp_path / "x.npy", tmp_path / "y.npy"),
+        "memmaps": (np.load(tmp_path / "x.npy", mmap_mode="r"), y),
+    }
+    seen, models = {}, {}
+    for name, source in sources.items():
+        hook = _ThreadsSeen()
+        trainer = _trainer(hooks=[hook])
+        stream = el.data.DataStream(source, 16, shuffle_buffer=64, key=0)
+        trainer.fit(stream=stream, epochs=2, key=jr.PRNGKey(1))
+        seen[name], models[name] = any(hook.seen), trainer.model  # (a thread ends with
+        assert stream.in_memory == (name == "arrays")  # its epoch's last batch read)
+    assert seen == {"arrays": False, "files": True, "memmaps": True}
+    assert tree_allclose(models["arrays"], models["files"], rtol=0, atol=0)
+    assert tree_allclose(models["arrays"], models["memmaps"], rtol=0, atol=0)
+    assert not _prefetch_threads()
+
+
 def test_consecutive_skipped_updates_stop_with_a_clear_error_and_no_thread_left():
     X, y = _guide_data()
     trainer = _trainer(precision="mixed_fp16", max_consecutive_skips=3)

@@ -1,6 +1,7 @@
 """`DataStream`: batches from arrays, `.npy` memory maps or an iterator, shuffled, resumable."""
 
 import inspect
+import mmap
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from itertools import chain, repeat
@@ -34,6 +35,15 @@ _GROUP_BATCH_BYTES = 32 << 10
 def _slice_copy(x: np.ndarray) -> Callable[[int, int], np.ndarray]:
     """A function copying rows `start:stop` of `x` into a fresh array."""
     return lambda start, stop: x[start:stop].copy()
+
+
+def _mapped_file(a: Any) -> bool:
+    """`a` is a view of a memory-mapped file (`np.load(mmap_mode=...)`, `np.memmap`)."""
+    while a is not None:
+        if isinstance(a, mmap.mmap):
+            return True
+        a = getattr(a, "base", None)
+    return False
 
 
 def _is_int(x: Any) -> bool:
@@ -276,6 +286,12 @@ class DataStream:
                 "stream.num_batches is None."
             )
         return num_batches
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether every batch is a copy of arrays already in memory: no `.npy` file or
+        `np.memmap` to read (which may wait on the disk) and no iterator to run."""
+        return self._arrays is not None and not any(map(_mapped_file, self._arrays))
 
     @property
     def epoch(self) -> int:

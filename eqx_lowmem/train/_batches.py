@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..data import DataStream
 
@@ -31,8 +32,10 @@ def groups(batches, k: int):
 
 
 def concat(micro: list[tuple]) -> tuple:
+    """One batch of the micro-batches' arrays; a single one's arrays as they are (host
+    arrays go to the device inside the step's call, as in a hand-written loop)."""
     fields = [[m[i] for m in micro] for i in range(len(micro[0]))]  # one list per array
-    return tuple(jnp.concatenate(f) if len(f) > 1 else jnp.asarray(f[0]) for f in fields)
+    return tuple(jnp.concatenate(f) if len(f) > 1 else f[0] for f in fields)
 
 
 _ONES: dict[int, jax.Array] = {}
@@ -56,7 +59,7 @@ def pad(micro: list[tuple], size: int) -> tuple[tuple, jax.Array]:
     n = batch[0].shape[0]
     weights = ones(max(n, size))
     if n < size:
-        index = jnp.arange(size) % n
+        index = np.arange(size) % n
         batch = tuple(x[index] for x in batch)
         weights = (jnp.arange(size) < n).astype(jnp.float32)
     return batch, weights

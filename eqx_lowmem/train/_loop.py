@@ -7,11 +7,15 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ..data import DataStream
+from ..data._prefetch import checked
 from ._batches import concat, ones, pad
 from ._checks import check_data
+from ._resume import last_good, nonfinite_parameters
+from ._step import Step
 
 
 class BadBatch(Exception):
@@ -54,6 +58,21 @@ def prefetch_sharding(mesh: Mesh | None, data_axis: str, stream: DataStream) -> 
     samples = stream.num_samples
     regular = stream.drop_last or (samples is not None and samples % stream.batch_size % n == 0)
     return NamedSharding(mesh, P(data_axis)) if regular else None
+
+
+def epoch_batches(stream: DataStream, mesh: Mesh | None, data_axis: str, check: Any) -> Any:
+    """The stream's batches for one epoch of updates, each `check`ed (when given) before
+    its update; the iterator's `close()` stops any reading ahead.
+
+    A background thread reads, checks and places them two ahead (`stream.prefetch`),
+    except where the step runs on the host's own cores (the CPU backend) and every batch is
+    a copy of arrays in memory: there a thread overlaps nothing that a read could wait on
+    (a disk, an iterator) and takes cores from the step, so each batch is read and checked
+    when it is needed and handed to the step as host arrays, as a hand-written loop does."""
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    if device.platform == "cpu" and stream.in_memory:
+        return (checked(batch, check) for batch in stream)
+    return stream.prefetch(sharding=prefetch_sharding(mesh, data_axis, stream), check=check)
 
 
 def assemble(micro: list[tuple], size: int, stateful: bool) -> tuple[tuple, jax.Array]:
@@ -116,3 +135,20 @@ def too_many_skips(skips: int, where: str, scale: float, float16: bool) -> str:
         f"{_FLOAT16_HINT if float16 else ''}). Raise max_consecutive_skips if the scale "
         "needs longer."
     )
+
+
+def skip_or_stop(values: dict[str, float], skips: int, where: str, update: int, step: Step,
+                 max_skips: int, directory: Any, saved: int | None) -> int:  # fmt: skip
+    """Update `update` (`where` in its epoch) was not finite (its metrics `values`): the
+    skips in a row after it, where a loss scale lowers itself and goes on; otherwise the
+    error that stops the run, naming the last good checkpoint (`saved` in `directory`)."""
+    float16 = jnp.dtype(step.policy.compute_dtype) == jnp.float16
+    if not values.get("params_finite", 1.0):
+        raise FloatingPointError(nonfinite_parameters(where, update, directory, saved))
+    if step.loss_scale is None:
+        where = f"{where} (update {update} of the run)"
+        good = last_good(directory, saved)
+        raise FloatingPointError(nonfinite_loss(where, float16, not step.skip_nonfinite, good))
+    if skips + 1 >= max_skips:
+        raise FloatingPointError(too_many_skips(skips + 1, where, values["loss_scale"], float16))
+    return skips + 1
