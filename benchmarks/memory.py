@@ -79,6 +79,7 @@ from _steps import (  # noqa: E402
     lm_mean_loss,
     sparse_mlp,
     step_cases,
+    wide_resnet,
     wrn_loss,
 )
 
@@ -86,12 +87,12 @@ import eqx_lowmem as el  # noqa: E402
 
 ACCUMULATE = {"n_layers": 2, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 128, "batch": 32}
 SHARD = {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 64, "batch": 32}
-WRN = {"depth": 28, "width": 2, "batch": 100, "image": (3, 32, 32), "classes": 10}
+WRN = {"depth": 28, "width": 2, "batch": 100, "image": (3, 32, 32)}
 LM = {"vocab": 10_000, "seq": 250, "batch": 16, "n_layers": 12, "d_model": 512, "n_heads": 4,
       "d_ff": 1024}  # fmt: skip
 SMOKE = {
     "guide": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_ff": 32, "seq": 8, "batch": 8},
-    "wrn": {"depth": 10, "width": 1, "batch": 10, "image": (3, 8, 8), "classes": 10},
+    "wrn": {"depth": 10, "width": 1, "batch": 10, "image": (3, 8, 8)},
     "lm": {"vocab": 64, "seq": 16, "batch": 4, "n_layers": 2, "d_model": 32, "n_heads": 2,
            "d_ff": 64},
 }  # fmt: skip
@@ -250,13 +251,8 @@ def paper_row(name: str, smoke: bool) -> dict:
         o = PAPER_WRN[name]
         precision, accumulate, acc_dtype = o["precision"], o["accumulate"], o["accumulate_dtype"]
         accumulate = min(accumulate, cfg["batch"])  # the smoke batch: micro-batches of one
-        model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
-            cfg["depth"], cfg["width"], cfg["classes"], key=jr.PRNGKey(0), in_channels=3,
-            remat=o["remat"], norm=o.get("norm", "batch"),
-        )  # fmt: skip
-        if o["density"] is not None:
-            model = el.sparse.sparsify(model, o["density"], key=jr.PRNGKey(1), storage="bits",
-                                       exclude=el.nn.WideResNet.keep_dense)  # fmt: skip
+        opts = {**o, "storage": "bits"}
+        model, state = wide_resnet(opts, cfg["depth"], cfg["width"], jr.PRNGKey(0))
         batch = (jax.ShapeDtypeStruct((cfg["batch"], *cfg["image"]), jnp.uint8),
                  jax.ShapeDtypeStruct((cfg["batch"],), jnp.int32))  # fmt: skip
         optimizer = optax.sgd(0.1, momentum=0.9)
