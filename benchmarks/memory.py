@@ -425,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return 0
     path = args.out / "memory_grid.json"
-    old = json.loads(path.read_text()) if path.exists() else {"rows": {}}
-    kept, found = old["rows"], {}
+    kept = json.loads(path.read_text())["rows"] if path.exists() else {}
+    found = {}
     for name, (fn, *fargs) in rows(args.smoke).items():
         if not any(name.startswith(p) for p in args.only):
             continue
@@ -436,10 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             found[name] = fn(*fargs)
         # Written after every row: a long run keeps what it compiled.
-        # `copied`: rows taken from an earlier script's JSON, not yet compiled by this one.
-        copied = [n for n in old.get("copied", []) if n not in found]
-        record = {"rows": {**kept, **found}, **({"copied": copied} if copied else {})}
-        path = write_json("memory_grid", record, directory=args.out)
+        path = write_json("memory_grid", {"rows": {**kept, **found}}, directory=args.out)
         print(f"{name}: wrote {path}", flush=True)
     return 0
 

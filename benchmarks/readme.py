@@ -204,14 +204,6 @@ def grid() -> dict:
     return result("memory_grid")["rows"]
 
 
-def copied(prefix: str) -> str:
-    """A note where rows of `prefix` are still an earlier script's figures."""
-    rows = [n for n in result("memory_grid").get("copied", []) if n.startswith(prefix)]
-    return (f" {len(rows)} of these rows are still the figures the earlier scripts compiled "
-            f"(the JSON's `copied`); `python benchmarks/memory.py --only {prefix}` compiles "
-            "them again.") if rows else ""  # fmt: skip
-
-
 def peak_vs(name: str, base: str = "guide/none") -> float:
     return grid()[name]["peak"] / grid()[base]["peak"]
 
@@ -376,8 +368,7 @@ def paper() -> str:
     times = ", ".join(f"`{k}` {x(v['ratio'])}" for k, v in times.items() if "ratio" in v)
     return "\n\n".join([
         *tables, para(f"`memory_grid.json`, {date('memory_grid')}; the paper's reduction of its "
-                      "combinations is 9.5x, 33.2x and 60.7x (WRN) and 8.7x (transformer)."
-                      + copied("paper/")),
+                      "combinations is 9.5x, 33.2x and 60.7x (WRN) and 8.7x (transformer)."),
         table(["goal", "reached", ""], [[a, b, goal(c)] for a, b, c in goals], 1),
         para("Step time against the paper's combination (WRN-16-1, batch 100, side by side, "
              f"2 cores under load; `paper.json`, {date('paper')}): {times}."),
@@ -451,7 +442,7 @@ def frontier() -> str:
              f"{' and '.join(map(str, cfg['seeds']))}, tested on {cfg['test']:,}; compiled peak "
              "at batch 100; H100: the same step compiled for an H100 (`memory_grid.json`'s "
              "`frontier/*` rows, sparse ones without DSR's host callback). Rows on the Pareto "
-             "front are marked." + copied("frontier/")),
+             "front are marked."),
         table(head, rows, 2),
         "Per memory budget, the most accurate configuration that fits:",
         "\n".join(d["budget_table"]),
