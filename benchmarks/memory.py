@@ -148,8 +148,8 @@ PAPER_LM = {
 }
 
 
-def _shapes(cfg: dict, dtype=None) -> tuple:
-    x = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"], cfg["d_model"]), dtype or jnp.float32)
+def _shapes(cfg: dict) -> tuple:
+    x = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"], cfg["d_model"]), jnp.float32)
     return x, x
 
 
@@ -193,10 +193,6 @@ def precision_row(cfg: dict, preset: str) -> dict:
     leaves = jax.tree.leaves((state.model, state.opt_state))
     nbytes = sum(x.size * x.dtype.itemsize for x in leaves if hasattr(x, "dtype"))
     return {"saved_bytes": sum(r.nbytes for r in kept), "param_opt_bytes": int(nbytes)}
-
-
-def accumulate_row(cfg: dict, k: int) -> dict:
-    return guide_row(cfg, {"accumulate": k})
 
 
 def shard_rows(cfg: dict) -> dict:
@@ -397,7 +393,7 @@ def rows(smoke: bool) -> dict:
     acc = SMOKE["guide"] if smoke else ACCUMULATE
     out = {n: (guide_row, guide, o) for n, o in GUIDE_ROWS.items()}
     out |= {f"precision/{p}": (precision_row, guide, p) for p in PRECISIONS}
-    out |= {f"accumulate/k{k}": (accumulate_row, acc, k) for k in (1, 2, 4, 8)}
+    out |= {f"accumulate/k{k}": (guide_row, acc, {"accumulate": k}) for k in (1, 2, 4, 8)}
     # The shard rows' batch: accumulate=2 on each of up to 8 devices.
     out["shard/"] = (shard_rows, {**SMOKE["guide"], "batch": 16} if smoke else SHARD)
     mlp = {**SPARSE_MLP, "width": 32, "batch": 8} if smoke else SPARSE_MLP
@@ -432,7 +428,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if name == "shard/":  # 8 host devices, set before JAX starts: a process of its own
             flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-            found |= spawn(__file__, {"name": name, "smoke": args.smoke}, env={"XLA_FLAGS": flags})
+            spec = {"name": name, "smoke": args.smoke}
+            lines, proc = spawn(__file__, spec, timeout=1800, env={"XLA_FLAGS": flags})
+            if proc is None or proc.returncode or not lines:
+                raise RuntimeError(f"the {name} worker failed:\n{proc and proc.stderr[-4000:]}")
+            found |= lines[-1]
         else:
             found[name] = fn(*fargs)
         # Written after every row: a long run keeps what it compiled.
