@@ -290,7 +290,8 @@ def precision() -> str:
 def data() -> str:
     d = result("stream")
     big, small = d["rates_64KiB"]["methods"], d["rates_1KiB"]["methods"]
-    safe, mix, p = d["safe_reads_vs_plain"], d["mixing"], d["prefetch"]
+    safe, mix, p = d["safe_reads_vs_plain"], d["mixing"], result("speed_stream")
+    prefetch = p["goals"]["stream_vs_resident"]
     names = ("bounded_shuffle_512", "global_shuffle")
     rows = [[n, f"{big[n]['vs_in_order']:.2f}x", f"{small[n]['vs_in_order']:.2f}x"] for n in names]
     safe_vs = [f"{safe[k]['global_shuffle']:.2f}x" for k in ("64KiB", "1KiB")]
@@ -308,10 +309,11 @@ def data() -> str:
              f"{mix['buffer']:,} gives {dist['bounded_shuffle_1000']:.2f} distinct classes per "
              f"batch of {mix['batch']} (a full shuffle {dist['full_random']:.2f}, a sliding "
              f"buffer {dist['sliding_sample_buffer_1000']:.2f}); a step fed by `prefetch()` ran "
-             f"at {p['ratio']:.2f}x the steps per second of the same step on batches already on "
-             "the device, on the CPU, where the reading thread and the step share the 2 cores "
-             f"(the goal of {d['goals']['gpu_prefetch_vs_on_device']}x is for a GPU: "
-             f"{goal(d['goals_met']['gpu_prefetch_vs_on_device'])})."),
+             f"at {prefetch['ratio']:.2f}x the updates per second of the same step on batches "
+             "already on the device (`benchmarks/speed.py --only stream/`, `speed_stream.json`, "
+             f"{date('speed_stream')}), on the CPU, where the reading thread and the step share "
+             f"the 2 cores (the goal of {prefetch['goal'][3:]}x is for a GPU: "
+             f"{goal(prefetch['met'] if p['mode'] == 'gpu' else None)})."),
     ])  # fmt: skip
 
 
