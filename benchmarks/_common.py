@@ -127,7 +127,7 @@ def compiled_memory(compiled) -> dict[str, int] | None:
 MARKER = "RESULT "
 
 
-def spawn_results(
+def spawn(
     script: str | Path, payload: Any, *, timeout: float, env: dict[str, str] | None = None
 ) -> tuple[list[Any], subprocess.CompletedProcess | None]:
     """Run `script --worker <payload as JSON>` in a fresh Python process (this process's
@@ -148,23 +148,6 @@ def spawn_results(
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         return results(out), None
     return results(proc.stdout), proc
-
-
-def spawn(
-    script: str | Path, spec: dict, *, timeout: float = 1800, env: dict[str, str] | None = None
-) -> dict:
-    """Run `script --worker <spec as JSON>` in a fresh Python process (environment as
-    `spawn_results`); return the JSON it printed on its last line starting with `MARKER`.
-
-    Raises:
-        RuntimeError: when the worker fails, runs past `timeout` or prints no result.
-    """
-    lines, proc = spawn_results(script, spec, timeout=timeout, env=env)
-    if proc is None or proc.returncode or not lines:
-        code = "a timeout" if proc is None else f"exit code {proc.returncode}"
-        stderr = "" if proc is None else proc.stderr[-4000:]
-        raise RuntimeError(f"worker {spec} failed with {code}:\n{stderr}")
-    return lines[-1]
 
 
 # ------------------------------------------------------------------ workers, one per core

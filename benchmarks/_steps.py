@@ -131,6 +131,21 @@ def sparse_mlp(name: str, cfg: dict) -> tuple:
     return model, (x, y), step(period)
 
 
+def wide_resnet(opts: dict, depth: int, width: int, key, in_channels: int = 3) -> tuple:
+    """Every grid's WideResNet (10 classes) and its normalisation state: `opts` sets `remat`
+    (default checkpoint-residual-1) and `norm` (default BatchNorm), and with a `density`
+    makes the 3x3 convolutions sparse (`distribution`, `slack`, `storage` as `sparsify`'s)."""
+    model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
+        depth, width, 10, key=key, in_channels=in_channels,
+        remat=opts.get("remat", "checkpoint-residual-1"), norm=opts.get("norm", "batch"),
+    )  # fmt: skip
+    if opts.get("density") is not None:
+        sparse = {k: opts[k] for k in ("distribution", "slack", "storage") if k in opts}
+        model = el.sparse.sparsify(model, opts["density"], key=jr.fold_in(key, 1),
+                                   exclude=el.nn.WideResNet.keep_dense, **sparse)  # fmt: skip
+    return model, state
+
+
 def wrn_loss(model, state, x, y):
     """Per-image cross-entropy of a WideResNet; uint8 images normalised as CIFAR-10's."""
     mean = jnp.asarray(CIFAR_MEAN, jnp.float32)[:, None, None]
@@ -336,8 +351,8 @@ def stream(name: str, spec: dict, sizes: dict):
                                    check_data=spec["trainer"], progress=False)  # fmt: skip
 
     def update():  # one epoch; the figures are per batch (`per_call`)
-        if "trainer" in spec:
-            trainer.fit(epochs=1, key=jr.PRNGKey(1), stream=data)
+        if "trainer" in spec:  # over a stream, `epochs` counts the stream's: the run's total
+            trainer.fit(epochs=data.epoch + 1, key=jr.PRNGKey(1), stream=data)
             return _ready(trainer.state)
         for batch in resident if spec["source"] == "resident" else data.prefetch(depth=2):
             holder[0], _ = step(holder[0], batch)
@@ -486,17 +501,10 @@ def plan(name: str, spec: dict, sizes: dict):
 
 
 def wrn(name: str, spec: dict, sizes: dict):
-    """A WideResNet (momentum SGD, BatchNorm per micro-batch): the paper's rows."""
-
+    """A WideResNet (`wide_resnet`; momentum SGD, BatchNorm per micro-batch): the paper's rows."""
     w = sizes["wrn"]
-    model_key, data_key, sparse_key = jr.split(jr.PRNGKey(0), 3)
-    model, bn = eqx.nn.make_with_state(el.nn.WideResNet)(
-        w["depth"], w["width"], 10, key=model_key,
-        remat=spec.get("remat", "checkpoint-residual-1"), norm=spec.get("norm", "batch"),
-    )  # fmt: skip
-    if spec.get("density") is not None:
-        model = el.sparse.sparsify(model, spec["density"], key=sparse_key,
-                                   exclude=el.nn.WideResNet.keep_dense)  # fmt: skip
+    model_key, data_key = jr.split(jr.PRNGKey(0))
+    model, bn = wide_resnet(spec, w["depth"], w["width"], model_key)
     options = {"accumulate": spec["accumulate"], "precision": spec["precision"]}
     step = el.train.make_step(wrn_loss, optax.sgd(0.1, momentum=0.9), has_state=True, **options)
     state = step.init(model, key=jr.PRNGKey(1), model_state=bn)

@@ -30,7 +30,6 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,9 +37,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import MARKER, write_json  # noqa: E402
+from _common import MARKER, spawn, write_json  # noqa: E402
 
-ROOT = Path(__file__).parent.parent
 UPDATES = 12  # the SIGKILL run's
 SAMPLES, FEATURES, MICRO_BATCH = 2000, 16, 20  # the soak's: 100 updates an epoch
 LIMIT_MIB = 5.0
@@ -140,15 +138,13 @@ def sigkill(kills: int, seed: int) -> dict:
 
     rng, results = random.Random(seed), []
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(Path(tmp) / "cache"),
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # fmt: skip
+        env = {"JAX_COMPILATION_CACHE_DIR": str(Path(tmp) / "cache"),
+               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # fmt: skip
 
-        def run(spec: dict) -> tuple[int, list, list]:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,
-                                  cwd=ROOT)  # fmt: skip
-            if proc.returncode:
-                return proc.returncode, [], []
+        def run(spec: dict) -> tuple[int | None, list, list]:
+            proc = spawn(__file__, spec, timeout=600, env=env)[1]
+            if proc is None or proc.returncode:
+                return proc and proc.returncode, [], []
             with np.load(spec["out"] + ".npz") as f:
                 arrays = [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
             return 0, arrays, json.loads(Path(spec["out"] + ".json").read_text())

@@ -79,6 +79,7 @@ from _steps import (  # noqa: E402
     lm_mean_loss,
     sparse_mlp,
     step_cases,
+    wide_resnet,
     wrn_loss,
 )
 
@@ -86,12 +87,12 @@ import eqx_lowmem as el  # noqa: E402
 
 ACCUMULATE = {"n_layers": 2, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 128, "batch": 32}
 SHARD = {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 64, "batch": 32}
-WRN = {"depth": 28, "width": 2, "batch": 100, "image": (3, 32, 32), "classes": 10}
+WRN = {"depth": 28, "width": 2, "batch": 100, "image": (3, 32, 32)}
 LM = {"vocab": 10_000, "seq": 250, "batch": 16, "n_layers": 12, "d_model": 512, "n_heads": 4,
       "d_ff": 1024}  # fmt: skip
 SMOKE = {
     "guide": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_ff": 32, "seq": 8, "batch": 8},
-    "wrn": {"depth": 10, "width": 1, "batch": 10, "image": (3, 8, 8), "classes": 10},
+    "wrn": {"depth": 10, "width": 1, "batch": 10, "image": (3, 8, 8)},
     "lm": {"vocab": 64, "seq": 16, "batch": 4, "n_layers": 2, "d_model": 32, "n_heads": 2,
            "d_ff": 64},
 }  # fmt: skip
@@ -147,8 +148,8 @@ PAPER_LM = {
 }
 
 
-def _shapes(cfg: dict, dtype=None) -> tuple:
-    x = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"], cfg["d_model"]), dtype or jnp.float32)
+def _shapes(cfg: dict) -> tuple:
+    x = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"], cfg["d_model"]), jnp.float32)
     return x, x
 
 
@@ -192,10 +193,6 @@ def precision_row(cfg: dict, preset: str) -> dict:
     leaves = jax.tree.leaves((state.model, state.opt_state))
     nbytes = sum(x.size * x.dtype.itemsize for x in leaves if hasattr(x, "dtype"))
     return {"saved_bytes": sum(r.nbytes for r in kept), "param_opt_bytes": int(nbytes)}
-
-
-def accumulate_row(cfg: dict, k: int) -> dict:
-    return guide_row(cfg, {"accumulate": k})
 
 
 def shard_rows(cfg: dict) -> dict:
@@ -250,13 +247,8 @@ def paper_row(name: str, smoke: bool) -> dict:
         o = PAPER_WRN[name]
         precision, accumulate, acc_dtype = o["precision"], o["accumulate"], o["accumulate_dtype"]
         accumulate = min(accumulate, cfg["batch"])  # the smoke batch: micro-batches of one
-        model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
-            cfg["depth"], cfg["width"], cfg["classes"], key=jr.PRNGKey(0), in_channels=3,
-            remat=o["remat"], norm=o.get("norm", "batch"),
-        )  # fmt: skip
-        if o["density"] is not None:
-            model = el.sparse.sparsify(model, o["density"], key=jr.PRNGKey(1), storage="bits",
-                                       exclude=el.nn.WideResNet.keep_dense)  # fmt: skip
+        opts = {**o, "storage": "bits"}
+        model, state = wide_resnet(opts, cfg["depth"], cfg["width"], jr.PRNGKey(0))
         batch = (jax.ShapeDtypeStruct((cfg["batch"], *cfg["image"]), jnp.uint8),
                  jax.ShapeDtypeStruct((cfg["batch"],), jnp.int32))  # fmt: skip
         optimizer = optax.sgd(0.1, momentum=0.9)
@@ -401,7 +393,7 @@ def rows(smoke: bool) -> dict:
     acc = SMOKE["guide"] if smoke else ACCUMULATE
     out = {n: (guide_row, guide, o) for n, o in GUIDE_ROWS.items()}
     out |= {f"precision/{p}": (precision_row, guide, p) for p in PRECISIONS}
-    out |= {f"accumulate/k{k}": (accumulate_row, acc, k) for k in (1, 2, 4, 8)}
+    out |= {f"accumulate/k{k}": (guide_row, acc, {"accumulate": k}) for k in (1, 2, 4, 8)}
     # The shard rows' batch: accumulate=2 on each of up to 8 devices.
     out["shard/"] = (shard_rows, {**SMOKE["guide"], "batch": 16} if smoke else SHARD)
     mlp = {**SPARSE_MLP, "width": 32, "batch": 8} if smoke else SPARSE_MLP
@@ -429,21 +421,22 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
         return 0
     path = args.out / "memory_grid.json"
-    old = json.loads(path.read_text()) if path.exists() else {"rows": {}}
-    kept, found = old["rows"], {}
+    kept = json.loads(path.read_text())["rows"] if path.exists() else {}
+    found = {}
     for name, (fn, *fargs) in rows(args.smoke).items():
         if not any(name.startswith(p) for p in args.only):
             continue
         if name == "shard/":  # 8 host devices, set before JAX starts: a process of its own
             flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-            found |= spawn(__file__, {"name": name, "smoke": args.smoke}, env={"XLA_FLAGS": flags})
+            spec = {"name": name, "smoke": args.smoke}
+            lines, proc = spawn(__file__, spec, timeout=1800, env={"XLA_FLAGS": flags})
+            if proc is None or proc.returncode or not lines:
+                raise RuntimeError(f"the {name} worker failed:\n{proc and proc.stderr[-4000:]}")
+            found |= lines[-1]
         else:
             found[name] = fn(*fargs)
         # Written after every row: a long run keeps what it compiled.
-        # `copied`: rows taken from an earlier script's JSON, not yet compiled by this one.
-        copied = [n for n in old.get("copied", []) if n not in found]
-        record = {"rows": {**kept, **found}, **({"copied": copied} if copied else {})}
-        path = write_json("memory_grid", record, directory=args.out)
+        path = write_json("memory_grid", {"rows": {**kept, **found}}, directory=args.out)
         print(f"{name}: wrote {path}", flush=True)
     return 0
 

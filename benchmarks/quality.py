@@ -196,22 +196,12 @@ def make_config_step(name: str, cfg: dict, precision=None, opts=None, mesh=None)
 def init_state(name: str, seed: int, cfg: dict, step: Any, opts: dict | None = None) -> Any:
     """The initial state of one configuration and seed: per seed the same dense weights in
     every configuration of one architecture (`opts` may set `depth` and `width`)."""
-    import equinox as eqx
     import jax.random as jr
-
-    import eqx_lowmem as el
+    from _steps import wide_resnet
 
     opts, key = _opts(name) if opts is None else opts, jr.PRNGKey(seed)
     depth, width = opts.get("depth", cfg["depth"]), opts.get("width", cfg["width"])
-    model, state = eqx.nn.make_with_state(el.nn.WideResNet)(
-        depth, width, 10, key=key, in_channels=1, remat=opts["remat"],
-        norm=opts.get("norm", "batch"),
-    )  # fmt: skip
-    if opts["density"] is not None:
-        model = el.sparse.sparsify(model, opts["density"], key=jr.fold_in(key, 1),
-                                   distribution=opts.get("distribution", "uniform"),
-                                   slack=opts.get("slack", 0.1),
-                                   exclude=el.nn.WideResNet.keep_dense)  # fmt: skip
+    model, state = wide_resnet({"slack": 0.1, **opts}, depth, width, key, in_channels=1)
     return step.init(model, key=jr.fold_in(key, 2), model_state=state)
 
 

@@ -204,14 +204,6 @@ def grid() -> dict:
     return result("memory_grid")["rows"]
 
 
-def copied(prefix: str) -> str:
-    """A note where rows of `prefix` are still an earlier script's figures."""
-    rows = [n for n in result("memory_grid").get("copied", []) if n.startswith(prefix)]
-    return (f" {len(rows)} of these rows are still the figures the earlier scripts compiled "
-            f"(the JSON's `copied`); `python benchmarks/memory.py --only {prefix}` compiles "
-            "them again.") if rows else ""  # fmt: skip
-
-
 def peak_vs(name: str, base: str = "guide/none") -> float:
     return grid()[name]["peak"] / grid()[base]["peak"]
 
@@ -298,7 +290,8 @@ def precision() -> str:
 def data() -> str:
     d = result("stream")
     big, small = d["rates_64KiB"]["methods"], d["rates_1KiB"]["methods"]
-    safe, mix, p = d["safe_reads_vs_plain"], d["mixing"], d["prefetch"]
+    safe, mix, p = d["safe_reads_vs_plain"], d["mixing"], result("speed_stream")
+    prefetch = p["goals"]["stream_vs_resident"]
     names = ("bounded_shuffle_512", "global_shuffle")
     rows = [[n, f"{big[n]['vs_in_order']:.2f}x", f"{small[n]['vs_in_order']:.2f}x"] for n in names]
     safe_vs = [f"{safe[k]['global_shuffle']:.2f}x" for k in ("64KiB", "1KiB")]
@@ -316,10 +309,11 @@ def data() -> str:
              f"{mix['buffer']:,} gives {dist['bounded_shuffle_1000']:.2f} distinct classes per "
              f"batch of {mix['batch']} (a full shuffle {dist['full_random']:.2f}, a sliding "
              f"buffer {dist['sliding_sample_buffer_1000']:.2f}); a step fed by `prefetch()` ran "
-             f"at {p['ratio']:.2f}x the steps per second of the same step on batches already on "
-             "the device, on the CPU, where the reading thread and the step share the 2 cores "
-             f"(the goal of {d['goals']['gpu_prefetch_vs_on_device']}x is for a GPU: "
-             f"{goal(d['goals_met']['gpu_prefetch_vs_on_device'])})."),
+             f"at {prefetch['ratio']:.2f}x the updates per second of the same step on batches "
+             "already on the device (`benchmarks/speed.py --only stream/`, `speed_stream.json`, "
+             f"{date('speed_stream')}), on the CPU, where the reading thread and the step share "
+             f"the 2 cores (the goal of {prefetch['goal'][3:]}x is for a GPU: "
+             f"{goal(prefetch['met'] if p['mode'] == 'gpu' else None)})."),
     ])  # fmt: skip
 
 
@@ -376,8 +370,7 @@ def paper() -> str:
     times = ", ".join(f"`{k}` {x(v['ratio'])}" for k, v in times.items() if "ratio" in v)
     return "\n\n".join([
         *tables, para(f"`memory_grid.json`, {date('memory_grid')}; the paper's reduction of its "
-                      "combinations is 9.5x, 33.2x and 60.7x (WRN) and 8.7x (transformer)."
-                      + copied("paper/")),
+                      "combinations is 9.5x, 33.2x and 60.7x (WRN) and 8.7x (transformer)."),
         table(["goal", "reached", ""], [[a, b, goal(c)] for a, b, c in goals], 1),
         para("Step time against the paper's combination (WRN-16-1, batch 100, side by side, "
              f"2 cores under load; `paper.json`, {date('paper')}): {times}."),
@@ -451,7 +444,7 @@ def frontier() -> str:
              f"{' and '.join(map(str, cfg['seeds']))}, tested on {cfg['test']:,}; compiled peak "
              "at batch 100; H100: the same step compiled for an H100 (`memory_grid.json`'s "
              "`frontier/*` rows, sparse ones without DSR's host callback). Rows on the Pareto "
-             "front are marked." + copied("frontier/")),
+             "front are marked."),
         table(head, rows, 2),
         "Per memory budget, the most accurate configuration that fits:",
         "\n".join(d["budget_table"]),

@@ -52,7 +52,7 @@ from _common import (  # noqa: E402
     RESULTS,
     interleaved,
     median_ratio,
-    spawn_results,
+    spawn,
     time_median,
     write_json,
 )
@@ -310,7 +310,7 @@ def check_consistency(results: dict) -> dict:
 def _run(names: list[str], size: str, paired: bool, timeout: float) -> dict:
     """One worker process for `names`; a configuration it did not report is an error."""
     payload = {"size": size, "names": names, "paired": paired}
-    lines, proc = spawn_results(__file__, payload, timeout=timeout)
+    lines, proc = spawn(__file__, payload, timeout=timeout)
     results = {line["name"]: line["result"] for line in lines}
     why = "timed out" if proc is None else f"exit code {proc.returncode}"
     tail = "" if proc is None else proc.stderr[-3000:]
