@@ -351,8 +351,8 @@ def stream(name: str, spec: dict, sizes: dict):
                                    check_data=spec["trainer"], progress=False)  # fmt: skip
 
     def update():  # one epoch; the figures are per batch (`per_call`)
-        if "trainer" in spec:  # over a stream, `epochs` counts the stream's: the run's total
-            trainer.fit(epochs=data.epoch + 1, key=jr.PRNGKey(1), stream=data)
+        if "trainer" in spec:
+            trainer.fit(epochs=1, key=jr.PRNGKey(1), stream=data)
             return _ready(trainer.state)
         for batch in resident if spec["source"] == "resident" else data.prefetch(depth=2):
             holder[0], _ = step(holder[0], batch)

@@ -211,6 +211,17 @@ def test_a_model_read_before_a_second_fit_stays_usable():
         el.train.make_step(el.train.mse, optax.sgd(0.1)).init(internal, key=jr.PRNGKey(0))
 
 
+def test_a_second_fit_over_the_same_stream_trains_its_epochs_more():
+    # A stream keeps its epoch between fits: `epochs` counts from where it stands (as
+    # for arrays), not from the stream's first epoch, which trained nothing.
+    X, y = _guide_data()
+    trainer = _trainer()
+    stream = el.data.DataStream((np.asarray(X), np.asarray(y)), 16)
+    histories = [trainer.fit(epochs=n, key=jr.PRNGKey(1), stream=stream) for n in (1, 2)]
+    assert trainer.updates == 3 * 4 and stream.epoch == 3
+    assert [len(h["train_loss"]) for h in histories] == [1, 2]
+
+
 def test_the_model_is_held_once_and_a_second_fit_continues():
     X, y = _guide_data()
     once = _trainer()

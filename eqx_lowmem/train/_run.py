@@ -26,15 +26,18 @@ class RunState:
 
     `updates` counts the run's updates (dispatched to the device; a skipped one included)
     and carries over to a later `fit` of the same Trainer; `start` is where this `fit`'s
-    `limit` counts from. `history` and `sums` are what checkpoints record besides the
-    model, with the stream's position and `settings`."""
+    `limit` counts from, and `start_epoch` where its `epochs` do (a stream keeps its epoch
+    from one `fit` to the next; both are 0 for a run resumed from a checkpoint). `history`
+    and `sums` are what checkpoints record besides the model, with the stream's position
+    and `settings`."""
 
     stream: DataStream
     settings: dict[str, Any]
-    epochs: int | None = None  # the run's total epochs
-    limit: int | None = None  # updates to train in this fit (from `start`)
+    epochs: int | None = None  # epochs to train (from `start_epoch`)
+    limit: int | None = None  # updates to train (from `start`)
     updates: int = 0
     start: int = 0
+    start_epoch: int = 0
     history: dict[str, list] = dataclasses.field(default_factory=lambda: {"train_loss": []})
     sums: EpochSums = dataclasses.field(default_factory=lambda: EpochSums(0))
     skips: int = 0  # skipped updates in a row
@@ -44,7 +47,7 @@ class RunState:
         """Whether the run has what it asked for (or was asked to stop)."""
         return (
             self.stop
-            or (self.epochs is not None and self.stream.epoch >= self.epochs)
+            or (self.epochs is not None and self.stream.epoch >= self.start_epoch + self.epochs)
             or (self.limit is not None and self.updates - self.start >= self.limit)
         )
 
@@ -56,7 +59,8 @@ class RunState:
         n = self.stream.num_batches
         if self.epochs is not None and n is not None:
             per_epoch = -(-n // accumulate)
-            left = (self.epochs - self.stream.epoch) * per_epoch - self.sums.updates
+            epochs_left = self.start_epoch + self.epochs - self.stream.epoch
+            left = epochs_left * per_epoch - self.sums.updates
             targets.append(self.updates + max(0, left))
         return min(targets, default=None)
 
@@ -78,4 +82,4 @@ class RunState:
         self.sums = EpochSums(int(sums["epoch"]), float(sums["sum"]), float(sums["weight"]),
                               int(sums["updates"]))  # fmt: skip
         self.updates = int(meta.get("updates", 0))
-        self.start = 0
+        self.start = self.start_epoch = 0

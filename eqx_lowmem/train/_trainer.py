@@ -408,6 +408,7 @@ class Trainer:
             limit=updates,
             updates=self.updates,
             start=self.updates,
+            start_epoch=stream.epoch,
             sums=EpochSums(stream.epoch),
         )
         if eval_stream is not None:
