@@ -250,9 +250,9 @@ def _step_runner(step, state, batch, host: bool = False):
         raise FloatingPointError(f"no finite update in {skipped + 1} calls: {check}")
     holder = [state]
 
-    def update():
-        holder[0], _ = step(holder[0], batch)
-        _ready(holder[0])
+    def update():  # waits as the hand step does, on one output (one program: all are ready)
+        holder[0], metrics = step(holder[0], batch)
+        jax.block_until_ready(metrics["loss"])
 
     return update, {**info, "skipped_updates": skipped, **check}
 
