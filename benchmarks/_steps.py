@@ -384,12 +384,15 @@ def lm_loss(name: str, spec: dict, sizes: dict):
     compared once with the whole logits' in this process)."""
     c = sizes["lm_loss"]
     model = el.nn.CausalLM(c["vocab"], c["seq"], c["layers"], c["d_model"], c["heads"],
-                           c["d_ff"], key=jr.key(0), remat=c["remat"])  # fmt: skip
+                           c["d_ff"], key=jr.key(0), remat=c["remat"],
+                           chunk_size=spec.get("chunk_size", "auto"))  # fmt: skip
     tokens = jr.randint(jr.key(1), (c["batch"], c["seq"] + 1), 0, c["vocab"])
     grad = eqx.filter_jit(eqx.filter_value_and_grad(lm_mean_loss))
     run = lambda chunk: jax.block_until_ready(grad(model, tokens, chunk))  # noqa: E731
     loss, grads = run(spec["chunk"])
-    info = {"loss": float(loss), "grad_norm": float(optax.tree.norm(grads))}
+    temp = grad.lower(model, tokens, spec["chunk"]).compile().compiled.memory_analysis()
+    temp = temp.temp_size_in_bytes
+    info = {"loss": float(loss), "grad_norm": float(optax.tree.norm(grads)), "temp": int(temp)}
     if spec["chunk"] is not None:
         whole_loss, whole = run(None)
         diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), grads, whole)

@@ -116,6 +116,8 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
     "fsdp/fsdp": {"kind": "fsdp", "shard": "fsdp"},
     "lm_loss/naive": {"kind": "lm_loss", "chunk": None},
     "lm_loss/chunked": {"kind": "lm_loss", "chunk": "auto"},
+    "lm_loss/chunked_8000": {"kind": "lm_loss", "chunk": 8000},
+    "lm_loss/chunked_rows32": {"kind": "lm_loss", "chunk": "auto", "chunk_size": 32},
     **{f"optimizer_state/{v}": {"kind": "optimizer_state", "variant": v} for v in OPTIMIZERS},
     **{f"step_{c}/{way}": {"kind": "step", "case": c, "hand": way == "hand"}
        for c in STEP_CASES for way in ("hand", "library")},
@@ -289,7 +291,7 @@ def check_consistency(results: dict) -> dict:
         "float32": ["remat/none", "remat/full", "remat/dots", "remat/minimal",
                     "remat/minimal_offloaded", "accumulate/k4"],
         "16bit": ["precision/mixed_bf16", *(n for n in CONFIGS if n.startswith("attention/"))],
-        "lm_loss": ["lm_loss/naive", "lm_loss/chunked"],
+        "lm_loss": [n for n in CONFIGS if n.startswith("lm_loss/")],
         "optimizer_state": [f"optimizer_state/{v}" for v in OPTIMIZERS],
     }  # fmt: skip
     out = {}
