@@ -164,6 +164,21 @@ def test_the_heads_gradient_is_summed_in_place_not_formed_whole_each_step():
     assert temp < v * d * 4 // 2, temp  # the head is v * d * 4 bytes
 
 
+def test_both_ways_of_summing_the_heads_gradient_add_the_same_product():
+    # The GPU's one matmul and the vocabulary loop elsewhere (a chunk that does not divide
+    # the vocabulary: the last chunk overlaps) both give dw + g.T @ hs.
+    from eqx_lowmem.train._chunked import _head_grad_fused, _head_grad_looped
+
+    k = jr.split(jr.key(3), 3)
+    dw, g, hs = jr.normal(k[0], (10, 4)), jr.normal(k[1], (6, 10)), jr.normal(k[2], (6, 4))
+    want = np.asarray(dw) + np.asarray(g, np.float64).T @ np.asarray(hs, np.float64)
+    for got in (
+        _head_grad_fused(dw, g, hs),
+        jax.jit(_head_grad_looped, static_argnums=3)(dw, g, hs, 3),
+    ):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_step_trains_the_same_with_the_chunked_loss_fused_and_accumulated():
     import optax
 

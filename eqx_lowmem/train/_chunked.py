@@ -124,8 +124,24 @@ def _chunked_ce_fwd(h, w, b, targets, weights, chunk):
 
 
 def _add_head_grad(dw: Array, g: Array, hs: Array, chunk: int) -> Array:
-    """`dw + g.T @ hs`, one vocabulary chunk of rows at a time, written in place: the
-    whole `(vocab, d_model)` product is never a buffer of its own beside `dw`."""
+    """`dw + g.T @ hs`, never a whole `(vocab, d_model)` product beside `dw`: on a GPU
+    `_head_grad_fused`, elsewhere `_head_grad_looped`, chosen when the step is lowered for
+    its platform (a compile-only GPU target gets the GPU's)."""
+    return jax.lax.platform_dependent(
+        dw, g, hs, default=functools.partial(_head_grad_looped, chunk=chunk),
+        cuda=_head_grad_fused,
+    )  # fmt: skip
+
+
+def _head_grad_fused(dw: Array, g: Array, hs: Array) -> Array:
+    """One matmul, which XLA:GPU writes into `dw` (cuBLAS's `beta = 1`). Measured on an
+    H200: the same temporaries as `_head_grad_looped`, the loss 2.3x faster."""
+    return dw + jnp.dot(g.T, hs, preferred_element_type=jnp.float32)
+
+
+def _head_grad_looped(dw: Array, g: Array, hs: Array, chunk: int) -> Array:
+    """One vocabulary chunk of rows at a time, written in place (XLA:CPU would make the
+    whole product a buffer of its own)."""
 
     def body(i, dw):
         start, _, _, _, fresh = _chunk_at(dw, None, i, chunk)
@@ -217,8 +233,8 @@ def chunked_cross_entropy(
 
     Time: differentiated, the forward pass also computes the gradients for a cotangent
     proportional to `weights` (the head's three matmuls, as the naive loss runs), kept as
-    one float32 head-sized gradient (summed into in place, a vocabulary chunk at a time)
-    and one float32 row per token; the backward pass scales
+    one float32 head-sized gradient (summed into in place: on a GPU by one matmul a step,
+    elsewhere a vocabulary chunk at a time) and one float32 row per token; the backward pass scales
     them when its cotangent is `weights` times one number, which is what every weighted
     mean of the losses gives (the library's steps, `next_token_loss`). Any other cotangent
     is exact too: the backward pass then recomputes the logits one vocabulary chunk of
