@@ -452,7 +452,8 @@ def step(name: str, spec: dict, sizes: dict):
 def fit(name: str, spec: dict, sizes: dict):
     """The MLP of `step_cases` (Adam) for one epoch of in-memory arrays, `fit_updates`
     shuffled batches: `Trainer.fit` (its defaults: prefetch, data check) against the loop a
-    user writes (a permutation, a NumPy gather per batch, the hand step). One call is one
+    user writes (a permutation, a NumPy gather per batch, the hand step), or the hand step
+    fed by `DataStream.prefetch()` (`spec["prefetch"]`: reading overlaps the step). One call is one
     epoch (`per_call` updates), so `fit`'s per-call costs count."""
     model, loss, (x, _) = step_cases(sizes["step_scale"])["mlp"]
     b, updates, rng = x.shape[0], sizes.get("fit_updates", 40), np.random.default_rng(0)
@@ -463,12 +464,16 @@ def fit(name: str, spec: dict, sizes: dict):
         hand, params = hand_step(model, loss, optimizer), jax.tree.map(jnp.copy, model)
         box = [eqx.filter(params, eqx.is_inexact_array)]
         box.append(optimizer.init(box[0]))
+        stream = el.data.DataStream((xs, ys), batch_size=b, key=jr.PRNGKey(1))
+
+        def batches():  # a NumPy gather per batch, or the library's prefetching stream
+            if spec.get("prefetch"):
+                return stream.prefetch()
+            return ((xs[rows], ys[rows]) for rows in np.split(rng.permutation(len(xs)), updates))
 
         def epoch():
-            order = rng.permutation(len(xs))
-            for i in range(updates):
-                rows = order[i * b : (i + 1) * b]
-                box[0], box[1], value = hand(box[0], box[1], (xs[rows], ys[rows]))
+            for batch in batches():
+                box[0], box[1], value = hand(box[0], box[1], batch)
             jax.block_until_ready(value)
 
     else:

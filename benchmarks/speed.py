@@ -137,6 +137,7 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
                                             "norm": "group"},
     "fit/hand": {"kind": "fit", "hand": True},
     "fit/trainer": {"kind": "fit", "hand": False},
+    "fit/hand_prefetch": {"kind": "fit", "hand": True, "prefetch": True},
     # Compiles timed once each (their builders time them), the persistent cache off.
     "plan/one_compile": {"kind": "plan", "prune": None},
     "plan/pruned": {"kind": "plan", "prune": True},
@@ -165,6 +166,7 @@ GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
     "state_8bit_time": ("optimizer_state/8bit", "optimizer_state/16bit", "step_s", "<=", 1.15),
     "plan_vs_one_compile": ("plan/pruned", "plan/one_compile", "step_s", "<=", 5.0),
     "fit_vs_hand_loop": ("fit/trainer", "fit/hand", UPS, ">=", 0.97),
+    "fit_vs_prefetching_hand_loop": ("fit/trainer", "fit/hand_prefetch", UPS, ">=", 0.97),
     **{
         f"step_{c}_{what}": (f"step_{c}/library", f"step_{c}/hand", q, sense, bound)
         for c in STEP_CASES

@@ -488,6 +488,8 @@ class Trainer:
                 batch, weights = assemble(micro, size, stateful)
                 self.state, metrics = self.step_fn(self.state, batch, weights)
                 run.updates += 1
+                for value in metrics.values():  # to the host as soon as they are computed,
+                    value.copy_to_host_async()  # together, not read one by one later
                 if pending is not None:
                     self._finish(run, hooks, checkpoints, *pending, epoch)
                 pending = (metrics, run.updates)
