@@ -60,6 +60,11 @@ def prefetch_sharding(mesh: Mesh | None, data_axis: str, stream: DataStream) -> 
     return NamedSharding(mesh, P(data_axis)) if regular else None
 
 
+def on_host(mesh: Mesh | None) -> bool:
+    """Whether the step runs on the host's own cores (the CPU backend)."""
+    return (jax.devices()[0] if mesh is None else mesh.devices.flat[0]).platform == "cpu"
+
+
 def epoch_batches(stream: DataStream, mesh: Mesh | None, data_axis: str, check: Any) -> Any:
     """The stream's batches for one epoch of updates, each `check`ed (when given) before
     its update; the iterator's `close()` stops any reading ahead.
@@ -69,8 +74,7 @@ def epoch_batches(stream: DataStream, mesh: Mesh | None, data_axis: str, check: 
     a copy of arrays in memory: there a thread overlaps nothing that a read could wait on
     (a disk, an iterator) and takes cores from the step, so each batch is read and checked
     when it is needed and handed to the step as host arrays, as a hand-written loop does."""
-    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
-    if device.platform == "cpu" and stream.in_memory:
+    if on_host(mesh) and stream.in_memory:
         return (checked(batch, check) for batch in stream)
     return stream.prefetch(sharding=prefetch_sharding(mesh, data_axis, stream), check=check)
 

@@ -47,6 +47,7 @@ from ._loop import (
     bad_batch_error,
     epoch_batches,
     host_check,
+    on_host,
     shapes_of,
     skip_or_stop,
 )
@@ -481,6 +482,7 @@ class Trainer:
         size, stateful = self.accumulate * stream.batch_size, self.state.model_state is not None
         overlap = self.step_fn.loss_scale is not None or not self.step_fn.skip_nonfinite
         pending: tuple[Any, int] | None = None  # (metrics, update) dispatched, not read yet
+        copy_ahead = not on_host(self.mesh)  # on the CPU backend already in host memory
         served = False
         try:
             for micro in groups(batches, self.accumulate):
@@ -488,8 +490,8 @@ class Trainer:
                 batch, weights = assemble(micro, size, stateful)
                 self.state, metrics = self.step_fn(self.state, batch, weights)
                 run.updates += 1
-                for value in metrics.values():  # to the host as soon as they are computed,
-                    value.copy_to_host_async()  # together, not read one by one later
+                for value in metrics.values() if copy_ahead else ():  # to the host as soon
+                    value.copy_to_host_async()  # as computed, together, not one by one later
                 if pending is not None:
                     self._finish(run, hooks, checkpoints, *pending, epoch)
                 pending = (metrics, run.updates)
