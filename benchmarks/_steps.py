@@ -389,16 +389,18 @@ def lm_loss(name: str, spec: dict, sizes: dict):
     tokens = jr.randint(jr.key(1), (c["batch"], c["seq"] + 1), 0, c["vocab"])
     grad = eqx.filter_jit(eqx.filter_value_and_grad(lm_mean_loss))
     run = lambda chunk: jax.block_until_ready(grad(model, tokens, chunk))  # noqa: E731
-    loss, grads = run(spec["chunk"])
-    temp = grad.lower(model, tokens, spec["chunk"]).compile().compiled.memory_analysis()
+    chunk = spec["chunk"]  # an int at most the vocabulary (the smoke run's is smaller)
+    chunk = min(chunk, c["vocab"]) if isinstance(chunk, int) else chunk
+    loss, grads = run(chunk)
+    temp = grad.lower(model, tokens, chunk).compile().compiled.memory_analysis()
     temp = temp.temp_size_in_bytes
     info = {"loss": float(loss), "grad_norm": float(optax.tree.norm(grads)), "temp": int(temp)}
-    if spec["chunk"] is not None:
+    if chunk is not None:
         whole_loss, whole = run(None)
         diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), grads, whole)
         info |= {"loss_abs_diff": float(jnp.abs(loss - whole_loss)),
                  "grad_max_abs_diff": max(jax.tree.leaves(diffs))}  # fmt: skip
-    return lambda: run(spec["chunk"]), info
+    return lambda: run(chunk), info
 
 
 def char_lm(cfg: dict, key, remat="none"):
