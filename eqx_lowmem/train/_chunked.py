@@ -135,7 +135,8 @@ def _add_head_grad(dw: Array, g: Array, hs: Array, chunk: int) -> Array:
 
 def _head_grad_fused(dw: Array, g: Array, hs: Array) -> Array:
     """One matmul, which XLA:GPU writes into `dw` (cuBLAS's `beta = 1`). Measured on an
-    H200: the same temporaries as `_head_grad_looped`, the loss 2.3x faster."""
+    H200: the same temporaries as `_head_grad_looped`, the head's loss-and-gradient 2.3x
+    faster."""
     return dw + jnp.dot(g.T, hs, preferred_element_type=jnp.float32)
 
 
@@ -233,12 +234,12 @@ def chunked_cross_entropy(
 
     Time: differentiated, the forward pass also computes the gradients for a cotangent
     proportional to `weights` (the head's three matmuls, as the naive loss runs), kept as
-    one float32 head-sized gradient (summed into in place: on a GPU by one matmul a step,
-    elsewhere a vocabulary chunk at a time) and one float32 row per token; the backward pass scales
-    them when its cotangent is `weights` times one number, which is what every weighted
-    mean of the losses gives (the library's steps, `next_token_loss`). Any other cotangent
-    is exact too: the backward pass then recomputes the logits one vocabulary chunk of
-    `chunk` at a time (a fourth matmul). Measured side by side by
+    one float32 head-sized gradient (summed into in place: on a GPU by one matmul a
+    step, elsewhere a vocabulary chunk at a time) and one float32 row per token; the
+    backward pass scales them when its cotangent is `weights` times one number, which is
+    what every weighted mean of the losses gives (the library's steps, `next_token_loss`).
+    Any other cotangent is exact too: the backward pass then recomputes the logits one
+    vocabulary chunk of `chunk` at a time (a fourth matmul). Measured side by side by
     `benchmarks/speed.py --only lm_loss/` (memory: `benchmarks/memory.py --only lm_loss/`).
 
     The matmuls run in `hidden`'s dtype (16-bit under mixed precision) with float32

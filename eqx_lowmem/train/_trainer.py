@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import jax
 import jax.random as jr
 import numpy as np
 import optax
@@ -490,8 +491,8 @@ class Trainer:
                 batch, weights = assemble(micro, size, stateful)
                 self.state, metrics = self.step_fn(self.state, batch, weights)
                 run.updates += 1
-                for value in metrics.values() if copy_ahead else ():  # to the host as soon
-                    value.copy_to_host_async()  # as computed, together, not one by one later
+                if copy_ahead:  # to the host as soon as computed, not one by one later
+                    jax.tree.map(lambda v: v.copy_to_host_async(), metrics)
                 if pending is not None:
                     self._finish(run, hooks, checkpoints, *pending, epoch)
                 pending = (metrics, run.updates)
