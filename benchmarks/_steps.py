@@ -455,8 +455,9 @@ def fit(name: str, spec: dict, sizes: dict):
     """The MLP of `step_cases` (Adam) for one epoch of in-memory arrays, `fit_updates`
     shuffled batches: `Trainer.fit` (its defaults: prefetch, data check) against the loop a
     user writes (a permutation, a NumPy gather per batch, the hand step), or the hand step
-    fed by `DataStream.prefetch()` (`spec["prefetch"]`: reading overlaps the step). One call is one
-    epoch (`per_call` updates), so `fit`'s per-call costs count."""
+    fed by `DataStream.prefetch()` (`spec["prefetch"]`: reading overlaps the step); the
+    Trainer with `spec["check_data"]` as given. One call is one epoch (`per_call` updates),
+    so `fit`'s per-call costs count."""
     model, loss, (x, _) = step_cases(sizes["step_scale"])["mlp"]
     b, updates, rng = x.shape[0], sizes.get("fit_updates", 40), np.random.default_rng(0)
     xs = rng.standard_normal((b * updates, x.shape[1]), dtype=np.float32)
@@ -479,7 +480,8 @@ def fit(name: str, spec: dict, sizes: dict):
             jax.block_until_ready(value)
 
     else:
-        trainer = el.train.Trainer(model, loss, optimizer, progress=False)
+        trainer = el.train.Trainer(model, loss, optimizer, progress=False,
+                                   check_data=spec.get("check_data", True))  # fmt: skip
 
         def epoch():
             trainer.fit(xs, ys, epochs=1, micro_batch=b, key=jr.PRNGKey(1))

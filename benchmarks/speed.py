@@ -138,6 +138,7 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
     "fit/hand": {"kind": "fit", "hand": True},
     "fit/trainer": {"kind": "fit", "hand": False},
     "fit/hand_prefetch": {"kind": "fit", "hand": True, "prefetch": True},
+    "fit/trainer_unchecked": {"kind": "fit", "hand": False, "check_data": False},
     # Compiles timed once each (their builders time them), the persistent cache off.
     "plan/one_compile": {"kind": "plan", "prune": None},
     "plan/pruned": {"kind": "plan", "prune": True},
