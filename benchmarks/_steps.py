@@ -392,9 +392,8 @@ def lm_loss(name: str, spec: dict, sizes: dict):
     chunk = spec["chunk"]  # an int at most the vocabulary (the smoke run's is smaller)
     chunk = min(chunk, c["vocab"]) if isinstance(chunk, int) else chunk
     loss, grads = run(chunk)
-    temp = grad.lower(model, tokens, chunk).compile().compiled.memory_analysis()
-    temp = temp.temp_size_in_bytes
-    info = {"loss": float(loss), "grad_norm": float(optax.tree.norm(grads)), "temp": int(temp)}
+    temp = compiled_memory(grad.lower(model, tokens, chunk).compile().compiled)["temp"]
+    info = {"loss": float(loss), "grad_norm": float(optax.tree.norm(grads)), "temp": temp}
     if chunk is not None:
         whole_loss, whole = run(None)
         diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), grads, whole)
