@@ -1,17 +1,20 @@
 """Rows copied out of memory-mapped files by the kernel: the same bytes NumPy reads, and a
 file truncated between the stream's check and its read is an error, not SIGBUS."""
 
+import gc
+import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 
 from eqx_lowmem.data import DataStream
-from eqx_lowmem.data._mapped import MappedRows, _process_vm_readv
+from eqx_lowmem.data._mapped import POLL_S, MappedRows, _LeaseWatch, _process_vm_readv, _take_lease
 
-METHODS = ["pread"] + (["process_vm_readv"] if _process_vm_readv() is not None else [])
+METHODS = ["pread"] + (["process_vm_readv"] if _process_vm_readv() is not None else []) + ["lease"]
 
 
 def _never_changed():
@@ -53,14 +56,14 @@ def test_gather_and_slice_equal_numpys(tmp_path, method, array):
 def test_an_unknown_method_is_refused(tmp_path):
     np.save(tmp_path / "x.npy", np.zeros((4, 2), np.float32))
     x = np.load(tmp_path / "x.npy", mmap_mode="r")
-    with pytest.raises(ValueError, match="method='mmap'; expected 'process_vm_readv' or 'pread'"):
+    with pytest.raises(ValueError, match=r"method='mmap'; expected one of \('lease', "):
         MappedRows(x, tmp_path / "x.npy", 128, _never_changed, method="mmap")
 
 
 # In a subprocess: before the kernel copied the rows, this read killed its process with
 # SIGBUS (exit code -7), which no test in the same process could report.
 TRUNCATED = """
-import os, sys
+import os, sys, time
 import numpy as np
 from eqx_lowmem.data import DataStream
 
@@ -74,7 +77,9 @@ if safe:
                                    method=method)
 rows = (stream._mapped[0].gather if safe else lambda i: stream._arrays[0][i].copy())
 print(rows(np.array([1, 4000]))[:, 0].tolist(), flush=True)
+t = time.perf_counter()
 os.truncate(path, 8192)  # after the stream's check, before its read: pages gone
+print(f"truncate waited {time.perf_counter() - t:.3f} s", file=sys.stderr, flush=True)
 try:
     rows(np.array([1, 4000]))
 except RuntimeError as e:
@@ -92,6 +97,10 @@ def test_a_file_truncated_after_the_check_raises_instead_of_sigbus(tmp_path, met
         timeout=120,
     )
     assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    # Under a lease the truncation in the same process waits for the lease to be given
+    # up: a poll's time, not the kernel's lease-break-time (45 s by default).
+    waited = float(run.stderr.split("truncate waited ")[1].split(" s")[0])
+    assert waited < 1.0, run.stderr[-2000:]
     first, error = run.stdout.splitlines()
     assert first == "[256.0, 1024000.0]"
     assert error.startswith("RuntimeError: source[0] = ") and "x.npy' changed while" in error
@@ -134,3 +143,72 @@ def test_safe_reads_must_be_a_bool():
     # The suite's run-time type checker or, without it, the stream's own check.
     with pytest.raises(TypeError, match=r"(?s)safe_reads.*'yes'"):
         DataStream((np.zeros(4),), 2, safe_reads="yes")
+
+
+def _npy(tmp_path, rows=4096):
+    path = tmp_path / "x.npy"
+    np.save(path, np.arange(rows * 256, dtype=np.float32).reshape(rows, 256))
+    return path
+
+
+def _leases_granted(tmp_path) -> bool:
+    path = tmp_path / "probe"
+    path.write_bytes(b"0")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _take_lease(fd)
+    finally:
+        os.close(fd)
+
+
+def test_a_file_open_for_writing_is_copied_by_the_kernel_and_others_under_a_lease(tmp_path):
+    if not _leases_granted(tmp_path):
+        pytest.skip("this filesystem or kernel grants no read leases")
+    path = _npy(tmp_path)
+    assert DataStream((path,), 64, key=0)._mapped[0].method == "lease"
+    with path.open("r+b"):  # a writer: no lease, the kernel copies
+        stream = DataStream((path,), 64, key=0)
+        assert stream._mapped[0].method in ("process_vm_readv", "pread")
+        batch = next(iter(stream))[0]
+    ids = batch[:, 0] // 256
+    np.testing.assert_array_equal(batch, ids[:, None] * 256 + np.arange(256, dtype=np.float32))
+
+
+# Another process truncates the file the stream reads under a lease.
+TRUNCATE = (
+    "import os, sys, time; t = time.perf_counter(); os.truncate(sys.argv[1], 8192); "
+    "print(time.perf_counter() - t)"
+)
+
+
+def test_a_writer_in_another_process_waits_for_the_lease_and_the_stream_then_raises(tmp_path):
+    if not _leases_granted(tmp_path):
+        pytest.skip("this filesystem or kernel grants no read leases")
+    path = _npy(tmp_path)
+    stream = DataStream((path,), 64, key=0)
+    rows = stream._mapped[0]
+    assert rows.method == "lease"
+    assert rows.gather(np.array([4000]))[0, 0] == 4000 * 256
+    run = subprocess.run([sys.executable, "-c", TRUNCATE, str(path)], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert float(run.stdout) < 1.0  # the lease was given up at once, not after 45 s
+    assert os.path.getsize(path) == 8192
+    assert rows.method in ("process_vm_readv", "pread")  # the kernel copies from now on
+    with pytest.raises(RuntimeError, match=r"x\.npy' changed while.*4194432 -> 8192 bytes"):
+        rows.gather(np.array([4000]))
+    with pytest.raises(RuntimeError, match="changed while"):
+        next(iter(stream))
+
+
+def test_a_dropped_stream_gives_its_lease_up_and_the_watch_ends(tmp_path):
+    if not _leases_granted(tmp_path):
+        pytest.skip("this filesystem or kernel grants no read leases")
+    stream = DataStream((_npy(tmp_path),), 64, key=0)
+    assert stream._mapped[0] in _LeaseWatch.leased
+    del stream
+    gc.collect()
+    deadline = time.monotonic() + 100 * POLL_S
+    while _LeaseWatch.thread is not None and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    assert not _LeaseWatch.leased and _LeaseWatch.thread is None

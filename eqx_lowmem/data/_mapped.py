@@ -3,28 +3,50 @@
 
 A load from a mapped page that a truncation removed is a SIGBUS, and no Python code can
 catch it. The stream checks each file before it reads (`Watched.check`), but a truncation
-between that check and the copy would still be fatal. So the copy is done by the kernel:
+between that check and the copy would still be fatal. Three ways to close that window, the
+first this process may use:
 
-- `process_vm_readv` on this process's own address space (Linux 3.2 or later) copies the
-  rows from the mapping with one system call per 1,024 rows; a page past the end of the
-  file makes the call return short with `EFAULT`, and no signal is sent.
-- Where it is refused (a seccomp profile, another OS), `os.preadv` reads the same bytes
+- `"lease"`: a read lease on the file (`fcntl(F_SETLEASE, F_RDLCK)`, Linux). While it is
+  held, the kernel makes any process (this one included) that opens the file for writing
+  or truncates it wait until the lease is given up, so NumPy copies straight from the
+  mapping, at NumPy's speed. A thread checks each lease every `POLL_S` seconds and gives
+  up one that a writer is waiting on, after the copy in progress (at most `POLL_S` of
+  delay for the writer); the file's rows are then copied by the kernel, as below. Each
+  copy also checks the lease first, so one that the kernel took back (after
+  `/proc/sys/fs/lease-break-time`, 45 s by default) is never read through. Refused for a
+  file open for writing anywhere, one owned by another user (without `CAP_LEASE`), or
+  on a filesystem without leases (NFS).
+- `"process_vm_readv"` on this process's own address space (Linux 3.2 or later) copies
+  the rows from the mapping with one system call per 1,024 rows; a page past the end of
+  the file makes the call return short with `EFAULT`, and no signal is sent.
+- `"pread"` (where that is refused: a seccomp profile, another OS) reads the same bytes
   from the file, one call per row: a short read is the same signal.
 
-Either way a short copy is reported as the file having changed, naming it.
+Either kernel copy reports a short copy as the file having changed, naming it.
 """
 
 import ctypes
 import ctypes.util
 import functools
 import os
+import signal
+import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
 import numpy as np
 
+from ._sources import row_gather
+
+if sys.platform != "win32":  # leases: Linux's fcntl; elsewhere `_take_lease` refuses
+    import fcntl
+
 _IOV_MAX = 1024  # Linux's limit on the iovecs of one call (UIO_MAXIOV)
+POLL_S = 0.01  # how often each lease is checked for a waiting writer
+_F_SETSIG = 10  # Linux's fcntl command (not in Python's fcntl module)
+METHODS = ("lease", "process_vm_readv", "pread")
 
 
 @functools.cache
@@ -47,13 +69,71 @@ def _process_vm_readv() -> Callable[..., int] | None:
     return call if np.array_equal(src, dst) else None
 
 
+def _lease_break_s() -> float:
+    """How long the kernel lets a lease holder make a writer wait (0 where unknown)."""
+    try:
+        with open("/proc/sys/fs/lease-break-time") as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return 0.0
+
+
+def _take_lease(fd: int) -> bool:
+    """Whether a read lease on `fd`'s file was granted. No signal tells of its break (the
+    watch thread polls): taking it names this process to be told, so the signal is set
+    to SIGURG (ignored unless handled) first, as the default, SIGIO, would end the
+    process, and the process is unnamed after."""
+    if sys.platform == "win32" or not hasattr(fcntl, "F_SETLEASE") or _lease_break_s() < 1.0:
+        return False
+    try:
+        fcntl.fcntl(fd, _F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError:  # open for writing somewhere, another user's file, no leases here
+        return False
+    fcntl.fcntl(fd, fcntl.F_SETOWN, 0)
+    return True
+
+
+class _LeaseWatch:
+    """The thread that gives up each lease a writer waits on (at most one per process,
+    running while any `MappedRows` holds a lease)."""
+
+    lock = threading.Lock()
+    leased: "weakref.WeakSet[MappedRows]" = weakref.WeakSet()
+    thread: threading.Thread | None = None
+
+    @classmethod
+    def add(cls, rows: "MappedRows") -> None:
+        with cls.lock:
+            cls.leased.add(rows)
+            if cls.thread is None:
+                cls.thread = threading.Thread(target=cls._run, name="eqx_lowmem-leases",
+                                              daemon=True)  # fmt: skip
+                cls.thread.start()
+
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            time.sleep(POLL_S)
+            with cls.lock:
+                leased = list(cls.leased)
+                if not leased:
+                    cls.thread = None
+                    return
+            for rows in leased:
+                rows._keep_lease()
+            leased = rows = None  # no reference past the check: a stream's rows can go
+
+
 class MappedRows:
     """Rows of a read-only memory-mapped array `array`, the data of file `path` from byte
-    `data_offset`, copied into fresh arrays by the kernel (see the module's docstring).
+    `data_offset`, copied into fresh arrays under a read lease or by the kernel (see the
+    module's docstring).
 
-    `changed()` is called when a copy comes back short; it raises the error that names
-    the file and what happened to it. `method` is "process_vm_readv", "pread", or None
-    for the first that this process may use.
+    `changed()` is called when a kernel copy comes back short; it raises the error that
+    names the file and what happened to it. `method` is one of `METHODS`, or None for the
+    first that this process may use; `.method` says which copies now (a lease given up
+    leaves the kernel's).
     """
 
     def __init__(
@@ -64,13 +144,19 @@ class MappedRows:
         changed: Callable[[], None],
         method: str | None = None,
     ):
-        if method is None:
-            method = "process_vm_readv" if _process_vm_readv() is not None else "pread"
-        if method not in ("process_vm_readv", "pread"):
-            raise ValueError(f"method={method!r}; expected 'process_vm_readv' or 'pread'.")
+        if method is not None and method not in METHODS:
+            raise ValueError(f"method={method!r}; expected one of {METHODS} or None.")
         if method == "process_vm_readv" and _process_vm_readv() is None:
             raise OSError("process_vm_readv is not available to this process.")
-        self.method = method
+        self._fd = os.open(os.fspath(path), os.O_RDONLY | os.O_CLOEXEC)
+        weakref.finalize(self, os.close, self._fd)  # closing it ends the lease
+        if method in (None, "lease") and _take_lease(self._fd):
+            method = "lease"
+        elif method == "lease":
+            raise OSError(f"no read lease on {os.fspath(path)!r} for this process.")
+        self._lock = threading.Lock()  # the lease is given up between copies only
+        self._kernel = "process_vm_readv" if _process_vm_readv() is not None else "pread"
+        self.method = method or self._kernel
         self._array = array  # keeps the mapping alive
         self._path = os.fspath(path)
         self._changed = changed
@@ -92,14 +178,20 @@ class MappedRows:
             self._runs = (index * np.asarray(array.strides[1:], np.int64)).sum(1)
             self._run_bytes = array.itemsize
         self._local = threading.local()  # each thread's iovec buffer
-        self._fd: int | None = None
-        if method == "pread":
-            self._fd = os.open(self._path, os.O_RDONLY)
-            weakref.finalize(self, os.close, self._fd)
+        # Under the lease: NumPy's copy, C-ordered as the kernel's.
+        self._numpy_gather = (
+            row_gather(array) if sample.flags.c_contiguous
+            else lambda indices: np.ascontiguousarray(array[indices])
+        )  # fmt: skip
+        if self.method == "lease":
+            _LeaseWatch.add(self)
 
     def gather(self, indices: np.ndarray) -> np.ndarray:
         """Rows `indices` (non-negative, in range) as a fresh C-ordered array."""
         indices = np.asarray(indices, np.int64).reshape(-1)
+        with self._lock:
+            if self._leased():
+                return self._numpy_gather(indices)
         out = np.empty((indices.size, *self._sample_shape), self._dtype)
         if out.nbytes == 0:
             return out
@@ -109,12 +201,47 @@ class MappedRows:
 
     def slice(self, start: int, stop: int) -> np.ndarray:
         """Rows `start:stop` as a fresh array: one run when rows are contiguous."""
+        with self._lock:
+            if self._leased():
+                return self._array[start:stop].copy()
         if self._rows_contiguous:
             out = np.empty((stop - start, *self._sample_shape), self._dtype)
             if out.nbytes:
                 self._copy(np.array([start * self._row_stride], np.int64), out, out.nbytes)
             return out
         return self.gather(np.arange(start, stop))
+
+    def _leased(self) -> bool:
+        """Whether the lease still stands (called holding `_lock`): while it does, no
+        truncation can complete before `_lock` is released. Else the kernel copies."""
+        if self.method == "lease" and not self._lease_stands():
+            self._give_up_lease()
+        return self.method == "lease"
+
+    def _lease_stands(self) -> bool:
+        """No writer waits on the lease, and the kernel has not taken it back."""
+        try:
+            return fcntl.fcntl(self._fd, fcntl.F_GETLEASE) == fcntl.F_RDLCK
+        except OSError:
+            return False
+
+    def _keep_lease(self) -> None:
+        """Give the lease up, after the copy in progress, if a writer waits on it."""
+        if self.method == "lease" and not self._lease_stands():
+            with self._lock:
+                self._give_up_lease()
+
+    def _give_up_lease(self) -> None:
+        """From now on the kernel copies (called holding `_lock`)."""
+        if self.method != "lease":
+            return
+        self.method = self._kernel
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        except OSError:
+            pass  # already taken back by the kernel
+        with _LeaseWatch.lock:
+            _LeaseWatch.leased.discard(self)
 
     def _copy(self, starts: np.ndarray, out: np.ndarray, run_bytes: int | None = None) -> None:
         """Copy the runs at byte offsets `starts` of the data, `run_bytes` each, into `out`."""
@@ -159,7 +286,6 @@ class MappedRows:
         return copied
 
     def _copy_pread(self, starts: np.ndarray, out: np.ndarray, run: int) -> int:
-        assert self._fd is not None
         view = memoryview(out.reshape(-1).view(np.uint8))
         copied = 0
         for k, start in enumerate(starts.tolist()):

@@ -127,11 +127,16 @@ class DataStream:
     truncation removed kills the process with SIGBUS, and a file rewritten in place serves
     a mix of old and new data. Before each read (each group of batches) the stream checks
     every mapped file's size, modification time and inode against those it opened, and
-    raises `RuntimeError` naming the file if any changed. The rows are then copied by the
-    kernel (`process_vm_readv` on the stream's own mapping, or `pread` where that is
-    refused), so a file shrunk after the check raises the same error instead of SIGBUS.
-    `safe_reads=False` copies with NumPy instead: up to several times faster on small rows
-    (`benchmarks/stream.py` measures both), with a window of microseconds between the
+    raises `RuntimeError` naming the file if any changed. A truncation after the check
+    must not reach the copy either: the stream holds a read lease on each file (Linux),
+    so a writer opening or truncating it, in any process, waits (at most about 10 ms)
+    until the copy in progress ends and the stream gives the lease up; NumPy copies from
+    the mapping meanwhile, at NumPy's speed. Where no lease is granted (a file open for
+    writing, another user's file, NFS, another OS) or once one is given up, the kernel
+    copies the rows (`process_vm_readv` on the stream's own mapping, or `pread`), so a
+    file shrunk after the check raises the same error instead of SIGBUS, at half
+    NumPy's rate or less on shuffled reads. `safe_reads=False` copies with NumPy and no
+    lease (`benchmarks/stream.py` measures both): a window of microseconds between the
     check and the copy in which a truncation is fatal. What no check catches: a change
     that keeps size, inode and modification time (a clock set back, or `os.utime`), and
     changes on filesystems whose modification times are coarse (a rewrite within the same
@@ -151,9 +156,9 @@ class DataStream:
             samples, so every batch has the same shape (and the step compiles once).
         process_index: this process's index; default `jax.process_index()`.
         process_count: the number of processes; default `jax.process_count()`.
-        safe_reads: keyword-only: copy rows out of memory-mapped files through the kernel,
-            so a file shrunk mid-read raises instead of SIGBUS (default); False reads the
-            mapping directly, faster on small rows. Arrays in memory are unaffected.
+        safe_reads: keyword-only: read memory-mapped files under a lease or through the
+            kernel, so a file shrunk mid-read raises instead of SIGBUS (default); False
+            reads the mapping with no lease. Arrays in memory are unaffected.
 
     Raises:
         TypeError: if `source` is none of the three kinds, or `batch_size`,
