@@ -212,3 +212,53 @@ def test_a_dropped_stream_gives_its_lease_up_and_the_watch_ends(tmp_path):
     while _LeaseWatch.thread is not None and time.monotonic() < deadline:
         time.sleep(POLL_S)
     assert not _LeaseWatch.leased and _LeaseWatch.thread is None
+
+
+# A child forked while the parent's stream holds a lease, the parent's stream then dropped.
+FORKED = """
+import gc, os, sys, time
+import numpy as np
+from eqx_lowmem.data import DataStream
+
+path = sys.argv[1]
+np.save(path, np.arange(4096 * 256, dtype=np.float32).reshape(4096, 256))
+stream = DataStream((path,), 64, key=0)
+rows = stream._mapped[0]
+assert rows.method == "lease", rows.method
+ready, go = os.pipe(), os.pipe()
+if os.fork() == 0:  # the child: reads through the kernel, on a file of its own
+    os.close(go[1])  # so that a parent gone early ends the wait below
+    ok = rows.method != "lease" and rows.gather(np.array([7]))[0, 0] == 7 * 256
+    os.write(ready[1], b"1" if ok else b"0")
+    os.read(go[0], 1)  # the parent has truncated the file
+    try:
+        rows.gather(np.array([4000]))
+        os._exit(3)
+    except RuntimeError:
+        os._exit(0)
+os.close(go[0])
+assert os.read(ready[0], 1) == b"1", "the child did not read through the kernel"
+del stream, rows
+gc.collect()
+t = time.perf_counter()
+os.truncate(path, 8192)  # the child still runs: does it hold the lease?
+print(f"{time.perf_counter() - t:.3f}", flush=True)
+os.write(go[1], b"1")
+_, status = os.wait()
+print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_a_forked_child_holds_no_lease_and_reads_through_the_kernel(tmp_path):
+    if not _leases_granted(tmp_path):
+        pytest.skip("this filesystem or kernel grants no read leases")
+    run = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", textwrap.dedent(FORKED), str(tmp_path / "x.npy")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    waited, child = run.stdout.split()
+    assert float(waited) < 1.0  # not the kernel's 45 s for a lease nobody watches
+    assert child == "0"  # the child's read of the truncated file raised, no SIGBUS

@@ -16,7 +16,8 @@ first this process may use:
   (45 s by default), so a copy under a lease not seen standing for half that time asks
   the kernel first: a lease taken back is never read through. Refused for a file open
   for writing anywhere, one owned by another user (without `CAP_LEASE`), or on a
-  filesystem without leases (NFS).
+  filesystem without leases (NFS). A forked child, which no thread of its own watches,
+  opens each file again and leaves the lease to its parent: the kernel copies there.
 - `"process_vm_readv"` on this process's own address space (Linux 3.2 or later) copies
   the rows from the mapping with one system call per 1,024 rows; a page past the end of
   the file makes the call return short with `EFAULT`, and no signal is sent.
@@ -124,6 +125,27 @@ class _LeaseWatch:
             for rows in leased:
                 rows._keep_lease()
             leased = rows = None  # no reference past the check: a stream's rows can go
+
+    @classmethod
+    def after_fork(cls) -> None:
+        """In a forked child: the leases belong to the parent's open files, which the child
+        shares, and no thread watches them here. Each file is opened again for the
+        child's own reads, which the kernel copies."""
+        cls.lock, cls.thread = threading.Lock(), None
+        for rows in list(cls.leased):
+            rows._lock = threading.Lock()
+            try:
+                fd = os.open(rows._path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:  # gone: the kernel's copy still reads the mapping
+                fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            os.dup2(fd, rows._fd, inheritable=False)  # drops the child's hold on the lease
+            os.close(fd)
+            rows.method = rows._kernel
+        cls.leased = weakref.WeakSet()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_LeaseWatch.after_fork)
 
 
 class MappedRows:
