@@ -21,9 +21,10 @@ Each row compiles a training step on abstract shapes and records `memory_analysi
 - `lm_loss/*`: the language-model loss's two paths (issue 36) on a 2-layer `CausalLM(remat=True)`
   at a vocabulary of 32,000, d_model 512, 8 x 256 predicted tokens: the loss-and-gradient
   with whole float32 logits (`naive`, `chunk=None`) and chunked (`chunked`, the default),
-  the body alone (`body`: vocabulary 128, which the chunked loss cannot go below) and the
-  head alone (`head`: hidden states in, loss out; its temporaries naive and chunked), on
-  XLA:CPU and for an H100 (`speed.py`'s `lm_loss/*` time the two paths). Goal: >= 10x fewer
+  the body alone (`body`: vocabulary 128, which the chunked loss cannot go below), the
+  chunked loss with the blocks' rows in chunks of 32 (`chunked_rows32`; 64 by default) and
+  the head alone (`head`: hidden states in, loss out; its temporaries naive and chunked),
+  on XLA:CPU and for an H100 (`speed.py`'s `lm_loss/*` time the same). Goal: >= 10x fewer
   temporaries.
 - `optimizer_state/*`: Adam's state in float32, 16 bits (`half_state`) and 8 bits
   (`quantized_state`): its bytes a parameter and the compiled step's peak (`memory_report`)
@@ -96,7 +97,10 @@ SMOKE = {
     "lm": {"vocab": 64, "seq": 16, "batch": 4, "n_layers": 2, "d_model": 32, "n_heads": 2,
            "d_ff": 64},
 }  # fmt: skip
-LM_LOSS_ROWS = {"naive": (None, None), "chunked": (None, "auto"), "body": (128, None), "head": ()}
+# name: (vocabulary, None for LM_LOSS's; the loss's chunk; the blocks' chunk_size), or the head
+LM_LOSS_ROWS = {"naive": (None, None, "auto"), "chunked": (None, "auto", "auto"),
+                "chunked_rows32": (None, "auto", 32), "body": (128, None, "auto"),
+                "head": ()}  # fmt: skip
 GPU_TARGET = "h100"
 MB = 1e6
 
@@ -312,9 +316,9 @@ def lm_loss_memory(c: dict, name: str, target=None) -> dict:
         grad = lambda f: jax.value_and_grad(f, argnums=(0, 1, 2))  # noqa: E731
         return {p: _compiled(grad(f), args, target)["temp"] for p, f in
                 (("naive", naive), ("chunked", chunked))}  # fmt: skip
-    vocab, chunk = LM_LOSS_ROWS[name]
+    vocab, chunk, rows = LM_LOSS_ROWS[name]
     model = el.nn.CausalLM(vocab or v, c["seq"], c["layers"], d, c["heads"], c["d_ff"],
-                           key=jr.key(0), remat=c["remat"])  # fmt: skip
+                           key=jr.key(0), remat=c["remat"], chunk_size=rows)  # fmt: skip
     arrays, static = eqx.partition(model, eqx.is_array)
     arrays = jax.tree.map(lambda a: _placed(a.shape, a.dtype, target), arrays)
     tokens = _placed((c["batch"], c["seq"] + 1), jnp.int32, target)
