@@ -141,6 +141,7 @@ PAPER_WRN = {
     "fp16_checkpoint_micro100_sparse30": {**_COMBINED, "accumulate": 100},
     "gnws_fp16_checkpoint_micro100": _GNWS,
     "gnws_fp16_checkpoint_micro100_q8": {**_GNWS, "quantized": True},  # 8-bit momentum
+    "gnws_fp16_checkpoint_micro100_sparse30": {**_GNWS, "density": 0.3},
 }
 # (precision, remat, accumulate: "per_sequence" is one sequence per micro-batch, dtype)
 PAPER_LM = {

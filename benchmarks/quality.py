@@ -104,6 +104,7 @@ NORM_CONFIGS = {
     "combined_micro1_bn_eval": {**_COMBINED, "accumulate": 100, "eval_stats": "micro_batch"},
     "combined_micro1_gn": {**_COMBINED, "accumulate": 100, "norm": "group"},
     "combined_dense_micro1_gnws": {**_DENSE, "accumulate": 100, "norm": "group_ws"},
+    "combined_micro1_gnws": {**_COMBINED, "accumulate": 100, "norm": "group_ws"},
     "combined_micro2_bn_eval": {**_COMBINED, "accumulate": 50, "eval_stats": "micro_batch"},
     "combined_gn": {**_COMBINED, "norm": "group"},
 }

@@ -435,7 +435,8 @@ def frontier() -> str:
     more = [[f"`{r['config']}` (`{n}.json`, {date(n)}, {r['trained']['updates']} updates)",
              r["uses"], f"{100 * r['test_accuracy']:.2f}%",
              f"{100 * r['test_accuracy_spread']:.2f}"]
-            for n in ("frontier_long", "frontier_norm") for r in result(n)["rows"]]  # fmt: skip
+            for n in ("frontier_long", "frontier_norm", "frontier_norm_sparse")
+            for r in result(n)["rows"]]  # fmt: skip
     beaten = [g["combination"] for g in d["goal"] if g["dense_better_by_more_than_spread"]]
     head = ["configuration", "uses", "compiled MB", "H100 MB", "test accuracy",
             "spread (2 seeds)", "s / update", "front"]  # fmt: skip
