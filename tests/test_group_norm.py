@@ -98,6 +98,50 @@ def test_weight_standardization_standardises_each_output_channel(getkey):
     assert not tree_allclose(outs["group"], outs["group_ws"], atol=1e-3)
 
 
+@pytest.mark.parametrize("storage", ["indices", "bits"])
+def test_weight_standardization_of_a_sparse_convolution_is_over_its_stored_weights(getkey, storage):
+    from eqx_lowmem.nn._norm import standardise_weight
+
+    conv = eqx.nn.Conv2d(3, 6, 3, use_bias=False, key=getkey())
+    conv = eqx.tree_at(lambda c: c.weight, conv, 5.0 + 2.0 * jr.normal(getkey(), (6, 3, 3, 3)))
+    # At density 1 every weight is stored: the dense layer's standardization.
+    full = el.sparse.SparseConv2d.from_dense(conv, 1.0, key=getkey(), storage=storage)
+    np.testing.assert_allclose(
+        full.standardised().weight, standardise_weight(conv.weight), rtol=1e-5, atol=1e-5
+    )
+    # At density 0.3, with empty slots: each output channel over its stored weights only.
+    sparse = el.sparse.SparseConv2d.from_dense(conv, 0.3, key=getkey(), capacity=60,
+                                               storage=storage)  # fmt: skip
+    w, got = np.asarray(sparse.weight), np.asarray(sparse.standardised().weight)
+    stored = np.zeros(sparse.size, bool)
+    positions = np.asarray(sparse.positions())
+    stored[positions[positions < sparse.size]] = True
+    stored = stored.reshape(w.shape)
+    assert 0 < stored.sum() < sparse.capacity  # some slots empty
+    for o in range(6):
+        v = w[o][stored[o]]
+        np.testing.assert_allclose(
+            got[o][stored[o]], (v - v.mean()) / np.sqrt(v.var() + 1e-5), rtol=1e-5, atol=1e-5
+        )
+        assert not got[o][~stored[o]].any()  # positions with no weight stay 0
+    empty = positions >= sparse.size
+    if storage == "indices":
+        assert not np.asarray(sparse.standardised().values)[empty].any()
+
+
+def test_a_sparse_wideresnet_standardises_its_sparse_convolutions(getkey):
+    # Every weight stored: the sparse WRN under group_ws computes the dense one's numbers.
+    x = jr.normal(getkey(), (2, 1, 8, 8))
+    dense, st = eqx.nn.make_with_state(el.nn.WideResNet)(10, 1, 10, key=getkey(), in_channels=1,
+                                                         norm="group_ws")  # fmt: skip
+    sparse = el.sparse.sparsify(dense, 1.0, key=getkey())
+    n_sparse = sum(isinstance(m, el.sparse.SparseConv2d) for m in jax.tree.leaves(
+        sparse, is_leaf=lambda m: isinstance(m, el.sparse.SparseConv2d)))  # fmt: skip
+    assert n_sparse > 0
+    np.testing.assert_allclose(sparse.batched(x, st)[0], dense.batched(x, st)[0], rtol=1e-4,
+                               atol=1e-5)  # fmt: skip
+
+
 def test_batch_statistics_evaluation_normalises_each_micro_batch_as_training(getkey):
     model, state = eqx.nn.make_with_state(el.nn.WideResNet)(10, 1, 10, key=getkey(),
                                                             in_channels=1)  # fmt: skip

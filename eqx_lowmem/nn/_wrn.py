@@ -37,10 +37,14 @@ def _make_norm(norm: str, channels: int, groups: int) -> Norm:
 
 
 def _conv_ws(layer: Any, ws: bool, x: Array) -> Array:
-    """`conv2d(layer, x)`, with Weight Standardization of a dense `eqx.nn.Conv2d`'s weight
-    when `ws` (a sparse convolution keeps its weights as they are)."""
+    """`conv2d(layer, x)`, with Weight Standardization of the convolution's weights when
+    `ws`: a dense `eqx.nn.Conv2d`'s whole weight, a sparse one's stored weights."""
+    from ..sparse._layers import SparseConv2d  # the sparse package builds on this one
+
     if ws and isinstance(layer, eqx.nn.Conv2d):
         layer = eqx.tree_at(lambda c: c.weight, layer, standardise_weight(layer.weight))
+    elif ws and isinstance(layer, SparseConv2d):
+        layer = layer.standardised()
     return conv2d(layer, x)
 
 
@@ -250,7 +254,8 @@ class WideResNet(eqx.Module):
             every BatchNorm's place: no state, nothing shared across the batch, so the same
             numbers at any micro-batch size; two reductions per normalisation, as
             BatchNorm's) or `"group_ws"` (GroupNorm and Weight Standardization of every
-            dense convolution, Qiao et al. 2019: one pass over each weight per step).
+            convolution, a sparse one's over its stored weights, Qiao et al. 2019: one
+            pass over each weight per step).
         groups: GroupNorm's groups; must divide every width (16, 16k, 32k and 64k).
 
         Raises:

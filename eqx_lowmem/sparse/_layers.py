@@ -261,6 +261,29 @@ class _Sparse(eqx.Module):
             fn = jax.vmap(fn)
         return fn(indices)
 
+    def standardised(self, eps: float = 1e-5) -> Any:
+        """This layer with Weight Standardization (Qiao et al., 2019) over its stored
+        weights: each output unit's (axis 0 of the dense weight) occupied slots less their
+        mean, over their standard deviation, in float32, stored in the values' dtype.
+        Empty slots stay 0; at density 1 it is `eqx_lowmem.nn`'s `standardise_weight`
+        of the dense weight. Memory: a few arrays of the slots' size, no dense weight."""
+        out = self.weight_shape[0]
+        fan = self.size // out
+
+        def one(values: Array, positions: Array) -> Array:
+            occupied = positions < self.size
+            unit = jnp.where(occupied, positions // fan, out)  # empty slots: a unit of their own
+            v = jnp.where(occupied, values.astype(jnp.float32), 0.0)
+            count = jnp.maximum(jax.ops.segment_sum(occupied.astype(jnp.float32), unit, out + 1), 1)
+            d = jnp.where(occupied, v - (jax.ops.segment_sum(v, unit, out + 1) / count)[unit], 0.0)
+            var = jax.ops.segment_sum(d * d, unit, out + 1) / count
+            return (d * jax.lax.rsqrt(var + eps)[unit]).astype(values.dtype)
+
+        for _ in self.stack_shape:
+            one = jax.vmap(one)
+        values = one(self.values, self.positions())  # pyright: ignore[reportAttributeAccessIssue]
+        return eqx.tree_at(lambda layer: layer.values, self, values)
+
     def _check_one(self) -> None:
         if self.stack_shape:
             raise ValueError(
