@@ -167,7 +167,6 @@ def main() -> None:
         safe = (
             m["global_shuffle"]["samples_per_s"] / m["global_shuffle_plain_reads"]["samples_per_s"]
         )
-        results.setdefault("safe_reads_vs_plain", {})[label] = {"global_shuffle": safe}
         achieved[f"safe_vs_plain_reads_{label}"] = safe
         grain = [r["samples_per_s"] for n, r in m.items() if n.startswith("grain_")]
         if grain and label == "64KiB":
