@@ -81,10 +81,10 @@ def _lease_break_s() -> float:
 
 
 def _take_lease(fd: int) -> bool:
-    """Whether a read lease on `fd`'s file was granted. No signal tells of its break (the
-    watch thread polls): taking it names this process to be told, so the signal is set
-    to SIGURG (ignored unless handled) first, as the default, SIGIO, would end the
-    process, and the process is unnamed after."""
+    """Whether a read lease on `fd`'s file was granted. Its break needs no signal (the
+    watch thread polls), but the kernel sends one to the lease's taker, by default SIGIO,
+    which ends the process: so the signal is set to SIGURG (ignored by default) before
+    the lease is taken, and no process is named to receive it after."""
     if sys.platform == "win32" or not hasattr(fcntl, "F_SETLEASE") or _lease_break_s() < 1.0:
         return False
     try:
