@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
@@ -187,3 +188,19 @@ def test_a_tpu_target_compiles_with_libtpu_or_names_the_extra():
     report = el.memory.memory_report(*args, target=Target("v5e", devices=4), shard="fsdp")
     assert report.backend == "tpu" and report.device.startswith("TPU v5 lite x 4")
     assert Target("v5e").budget_bytes == 16 * 2**30
+
+
+def test_micro_batches_of_images_hold_one_copy_of_the_batch_on_a_gpu():
+    # A GPU's convolutions take channels last: were the micro-batches sliced from the batch
+    # in its own shape, XLA would transpose the whole batch before the loop (a second one).
+    key1, key2 = jr.split(jr.PRNGKey(0))
+    model = eqx.nn.Sequential([
+        eqx.nn.Conv2d(3, 8, 3, key=key1), eqx.nn.Lambda(jax.nn.relu),
+        eqx.nn.Lambda(lambda h: jnp.mean(h, axis=(1, 2))), eqx.nn.Linear(8, 10, key=key2),
+    ])  # fmt: skip
+    x = jax.ShapeDtypeStruct((64, 3, 32, 32), jnp.float32)
+    y = jax.ShapeDtypeStruct((64,), jnp.int32)
+    report = el.memory.memory_report(model, el.train.cross_entropy, optax.sgd(0.1), (x, y),
+                                     accumulate=4, target="h100")  # fmt: skip
+    # The images once, the labels and the step's per-sample weights (float32).
+    assert report.at_peak["batch"] == 64 * 3 * 32 * 32 * 4 + 64 * 4 + 64 * 4

@@ -14,6 +14,7 @@ gradient of `scale * sum / count`, what the loss scale keeps in range) and added
 micro-batch.
 """
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -286,12 +287,18 @@ def _over_micro_batches(
         m = -(-n // k)
         full, rest = divmod(n, m)
 
-        # (full, m, ...): micro-batch i is samples [i * m, (i + 1) * m).
-        split = jax.tree.map(lambda x: x[: full * m].reshape(full, m, *x.shape[1:]), batch)
+        # (full, m, features): micro-batch i is samples [i * m, (i + 1) * m), each sample
+        # flat. A sample of several axes is given its shape back inside the loop: a layout
+        # the model wants (a GPU's convolutions take channels last) is then made per
+        # micro-batch, not by XLA on the whole batch before the loop (a second batch).
+        split = jax.tree.map(
+            lambda x: x[: full * m].reshape(full, m, math.prod(x.shape[1:])), batch
+        )
         w_split = weights[: full * m].reshape(full, m)
 
         def body(carry, xs):
             mb, mw, i = xs
+            mb = jax.tree.map(lambda s, x: s.reshape(m, *x.shape[1:]), mb, batch)
             args = (params, carry.model_state, mb, mw, jr.fold_in(key, i), scale)
             return part(carry, *args, share=m / n), None
 
