@@ -2,6 +2,7 @@
 value is concrete (on the host) or traced. Each raises an error that names the argument,
 what was expected, what arrived and the fix."""
 
+import math
 import os
 from typing import Any
 
@@ -128,6 +129,20 @@ def concrete(x: Any) -> np.ndarray | None:
         return np.asarray(x)
     except jax.errors.TracerArrayConversionError:
         return None
+
+
+def within(a: np.ndarray, limit: float = float("inf")) -> bool:
+    """True when every value of the float32 or float64 array `a` is finite and at most
+    `limit` in magnitude, known from one BLAS pass: the dot product of `a` with itself is
+    finite and at most `limit**2` only then. False means only "not known here" (a NaN, an
+    inf, a value beyond `limit`, or squares whose sum overflows or passes `limit**2`): scan
+    the values then. About a third of `np.isfinite(a).all()`'s time, and no boolean copy."""
+    if a.dtype not in (np.float32, np.float64) or not a.size:
+        return False
+    flat = a.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):  # an inf or NaN sum: scan
+        squares = float(np.dot(flat, flat))
+    return math.isfinite(squares) and squares <= limit * limit
 
 
 def ids_outside(ids: Any, size: int | None) -> tuple[str, str] | None:

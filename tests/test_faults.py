@@ -328,6 +328,26 @@ def test_data_that_precision_or_jax_would_change_is_refused(case, precision, mat
     assert trainer.updates == 0
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_one_pass_data_check_neither_misses_nor_invents_bad_values(dtype):
+    # `check_data` first bounds each array by its sum of squares (one BLAS pass) and scans
+    # only where that bound fails: squares that overflow, or pass float16's largest value
+    # squared, must not be mistaken for bad data, and one bad value among many is found.
+    from eqx_lowmem.train._checks import check_data
+
+    model, loss = el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0)), el.train.mse
+    y = np.zeros((64, 1), dtype)
+    check_data(loss, model, (np.full((64, 2), 1e30, dtype), y))  # squares overflow float32
+    check_data(loss, model, (np.full((64, 2), 60000.0, dtype), y), jnp.float16)
+    bad = [(np.nan, None, "1 non-finite values"), (-np.inf, None, "1 non-finite values"),
+           (65520.0, jnp.float16, "1 values beyond float16's range")]  # fmt: skip
+    for value, compute, match in bad:
+        x = np.full((64, 2), 1e-3, dtype)
+        x[17, 1] = value
+        with pytest.raises(ValueError, match=rf"batch\[0\] holds {match}.*\(17, 1\)"):
+            check_data(loss, model, (x, y), compute)
+
+
 def test_one_trainers_fit_from_two_threads_is_refused():
     errors = []
 
