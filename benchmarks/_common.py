@@ -1,6 +1,6 @@
 """The benchmark scripts' harness: the environment record, atomic JSON output, timing
-(medians, and rounds that interleave what is compared), worker processes (one per
-configuration, or one per core, pinned) and plots.
+(rounds that interleave what is compared), worker processes (one per configuration, or one
+per core, pinned) and plots.
 
 Every script in `benchmarks/` uses it: `sys.path.insert(0, <benchmarks>)`, then
 `from _common import ...`.
@@ -57,21 +57,6 @@ def write_json(name: str, payload: dict[str, Any], directory: Path | None = None
     directory = RESULTS if directory is None else Path(directory)
     record = {"environment": environment(), **payload}
     return atomic_write_json(directory / f"{name}.json", record)
-
-
-def time_median(fn: Callable[[], Any], *, repeats: int = 5, burn_in: int = 2) -> float:
-    """Median wall seconds of `fn()` after `burn_in` untimed calls.
-
-    `fn` must block until its work is done (for JAX, `jax.block_until_ready`).
-    """
-    for _ in range(burn_in):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 class Rounds(NamedTuple):

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     RESULTS,
     compiled_memory,
+    interleaved,
     pinned_worker,
     pyplot,
     run_pinned,
@@ -271,7 +272,6 @@ def time_steps(cfg: dict, data: tuple, steps: int = 5) -> dict:
     """The first call's seconds and the median of `steps` more (FP32; FP16 and bf16 combined)."""
     import jax
     import jax.numpy as jnp
-    from _common import time_median
 
     (x, y), _ = data
     batch, out = (jnp.asarray(x[: cfg["batch"]]), jnp.asarray(y[: cfg["batch"]])), {}
@@ -288,7 +288,8 @@ def time_steps(cfg: dict, data: tuple, steps: int = 5) -> dict:
         t0 = time.perf_counter()
         update()
         first = time.perf_counter() - t0
-        out[row] = {"first_call_s": first, "step_s": time_median(update, repeats=steps, burn_in=0)}
+        wall = interleaved({row: update}, steps).wall[row]
+        out[row] = {"first_call_s": first, "step_s": statistics.median(wall)}
         print(f"{row}: first call {first:.1f} s, step {out[row]['step_s']:.3f} s", flush=True)
     return out
 
