@@ -147,11 +147,14 @@ def wide_resnet(opts: dict, depth: int, width: int, key, in_channels: int = 3) -
 
 
 def wrn_loss(model, state, x, y):
-    """Per-image cross-entropy of a WideResNet; uint8 images normalised as CIFAR-10's."""
-    mean = jnp.asarray(CIFAR_MEAN, jnp.float32)[:, None, None]
-    std = jnp.asarray(CIFAR_STD, jnp.float32)[:, None, None]
-    x = ((x.astype(jnp.float32) / 255.0 - mean) / std).astype(model.stem.weight.dtype)
-    logits, state = model.batched(x, state)
+    """Per-image cross-entropy of a WideResNet, threading its normalisation state: uint8
+    images (the grids' synthetic ones) normalised as CIFAR-10's, others (quality.py's
+    Fashion-MNIST, normalised when loaded) as they are, in the stem's dtype."""
+    if x.dtype == jnp.uint8:
+        mean = jnp.asarray(CIFAR_MEAN, jnp.float32)[:, None, None]
+        std = jnp.asarray(CIFAR_STD, jnp.float32)[:, None, None]
+        x = (x.astype(jnp.float32) / 255.0 - mean) / std
+    logits, state = model.batched(x.astype(model.stem.weight.dtype), state)
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y), state
 
 

@@ -123,15 +123,6 @@ def _opts(name: str) -> dict:
 # ------------------------------------------------------------------------ data and steps
 
 
-def wrn_loss(model, state, x, y):
-    """Per-image cross-entropy of a WideResNet, threading its BatchNorm state."""
-    import jax.numpy as jnp
-    import optax
-
-    logits, state = model.batched(x, state)
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y), state
-
-
 def _images(split: str, n: int | None = None) -> tuple[Any, Any]:
     import numpy as np
 
@@ -180,6 +171,7 @@ def make_config_step(name: str, cfg: dict, precision=None, opts=None, mesh=None)
     settings when `name` is not one of the comparison's; `mesh` places it)."""
     import jax.numpy as jnp
     import optax
+    from _steps import wrn_loss
 
     import eqx_lowmem as el
 
