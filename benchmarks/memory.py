@@ -102,7 +102,6 @@ LM_LOSS_ROWS = {"naive": (None, None, "auto"), "chunked": (None, "auto", "auto")
                 "chunked_rows32": (None, "auto", 32), "body": (128, None, "auto"),
                 "head": ()}  # fmt: skip
 GPU_TARGET = "h100"
-MB = 1e6
 
 # name: options of the guide's step (remat, segment, scan, accumulate, precision, plain).
 GUIDE_ROWS = {

@@ -279,7 +279,7 @@ def time_steps(cfg: dict, data: tuple, steps: int = 5) -> dict:
         t0 = time.perf_counter()
         update()
         first = time.perf_counter() - t0
-        wall = interleaved({row: update}, steps).wall[row]
+        wall = interleaved({row: update}, steps)[row]
         out[row] = {"first_call_s": first, "step_s": statistics.median(wall)}
         print(f"{row}: first call {first:.1f} s, step {out[row]['step_s']:.3f} s", flush=True)
     return out

@@ -224,10 +224,10 @@ def worker(payload: dict) -> None:
     # A slow configuration (seconds a call) in 2 rounds of its own with its baseline:
     # in the others' rounds its calls would swamp their drift-cancelling pairing.
     fast = [n for n in built if not CONFIGS[n].get("slow")]
-    record(interleaved({n: built[n] for n in fast}, max(timing["repeats"], 2)).wall, fast)
+    record(interleaved({n: built[n] for n in fast}, max(timing["repeats"], 2)), fast)
     for name in (n for n in built if n not in fast):
         pair = dict.fromkeys((BASELINES.get(name.split("/")[0]), name))
-        record(interleaved({n: built[n] for n in pair if n in built}, 2).wall, [name])
+        record(interleaved({n: built[n] for n in pair if n in built}, 2), [name])
     peak = _peak() if len(payload["names"]) == 1 else None  # a process of its own: its peak
     for name, r in results.items():
         if "step_s" in r:

@@ -81,7 +81,7 @@ def check_and_time(methods: dict, repeats: int, epochs: int) -> dict:
                     pass
 
         calls[name] = run
-    times = interleaved(calls, repeats).wall
+    times = interleaved(calls, repeats)
     for name, row in rates.items():
         row["samples_per_s"] = N * row["epochs_per_timing"] / float(np.median(times[name]))
     return rates
