@@ -459,13 +459,11 @@ def frontier() -> str:
     ])  # fmt: skip
 
 
-SECTIONS: dict[str, Callable[[], str]] = {
-    "main-job-setup": main_job_setup, "short-example-time": short_example_time,
-    "main-job": main_job, "checkpoint": checkpoint, "shard": shard, "sparse": sparse,
-    "sparse-bits": sparse_bits, "sparse-quality": sparse_quality, "guide": guide,
-    "remat": remat, "accumulate": accumulate, "precision": precision, "data": data,
-    "paper": paper, "quality": quality, "frontier": frontier,
-}  # fmt: skip
+# A section's marker is its function's name, with hyphens.
+SECTIONS: dict[str, Callable[[], str]] = {f.__name__.replace("_", "-"): f for f in (
+    main_job_setup, short_example_time, main_job, checkpoint, shard, sparse, sparse_bits,
+    sparse_quality, guide, remat, accumulate, precision, data, paper, quality, frontier,
+)}  # fmt: skip
 
 
 def render(readme: str) -> tuple[str, list[str]]:
