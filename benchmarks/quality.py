@@ -312,7 +312,7 @@ def _train_spec(spec: dict) -> dict:
     return out
 
 
-def run_rows(cfg: dict, rows: dict, workers=None, *, per_seed=False, memory=False) -> dict:
+def run_rows(cfg: dict, rows: dict, workers=None, *, per_seed=False, memory=False) -> tuple:
     """Each configuration of `rows` (name: options) trained on `cfg`'s seeds, a job per
     configuration (or, `per_seed`, per configuration and seed) in worker processes pinned
     one per core, at most `workers` at a time (1: all here): `{name: {"runs": {seed: run},

@@ -223,7 +223,7 @@ def worker(payload: dict) -> None:
 
     # A slow configuration (seconds a call) in 2 rounds of its own with its baseline:
     # in the others' rounds its calls would swamp their drift-cancelling pairing.
-    fast = [n for n in built if not CONFIGS[n].get("slow")]
+    fast = [n for n in built if not CONFIGS[n].get("slow") or len(built) == 1]
     record(interleaved({n: built[n] for n in fast}, max(timing["repeats"], 2)), fast)
     for name in (n for n in built if n not in fast):
         pair = dict.fromkeys((BASELINES.get(name.split("/")[0]), name))
