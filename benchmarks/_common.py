@@ -1,6 +1,6 @@
 """The benchmark scripts' harness: the environment record, atomic JSON output, timing
-(medians, and rounds that interleave what is compared), worker processes (one per
-configuration, or one per core, pinned) and plots.
+(rounds that interleave what is compared), worker processes (one per configuration, or one
+per core, pinned) and plots.
 
 Every script in `benchmarks/` uses it: `sys.path.insert(0, <benchmarks>)`, then
 `from _common import ...`.
@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -59,47 +59,21 @@ def write_json(name: str, payload: dict[str, Any], directory: Path | None = None
     return atomic_write_json(directory / f"{name}.json", record)
 
 
-def time_median(fn: Callable[[], Any], *, repeats: int = 5, burn_in: int = 2) -> float:
-    """Median wall seconds of `fn()` after `burn_in` untimed calls.
-
-    `fn` must block until its work is done (for JAX, `jax.block_until_ready`).
-    """
-    for _ in range(burn_in):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-class Rounds(NamedTuple):
-    """Seconds of each timed call, one entry per round: wall clock and this process's CPU
-    time (all its threads; less moved than the wall clock by other processes' load)."""
-
-    wall: dict[str, list[float]]
-    cpu: dict[str, list[float]]
-
-
-def interleaved(calls: dict[str, Callable[[], Any]], rounds: int) -> Rounds:
-    """Time every call once per round, the calls in turn: in their order in even rounds and
-    reversed in odd ones (ABBA), so that the drift of a machine shared with other work
-    weighs on all of them alike. Compare two of them with `median_ratio`.
+def interleaved(calls: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Wall seconds of every call, once per round, the calls in turn: in their order in even
+    rounds and reversed in odd ones (ABBA), so that the drift of a machine shared with other
+    work weighs on all of them alike. Compare two of them with `median_ratio`.
 
     Each call must block until its work is done (for JAX, `jax.block_until_ready`); burn
     in (compile) before.
     """
-    names = list(calls)
-    wall: dict[str, list[float]] = {n: [] for n in names}
-    cpu: dict[str, list[float]] = {n: [] for n in names}
+    names, wall = list(calls), {n: [] for n in calls}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0 = time.perf_counter()
             calls[name]()
             wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-    return Rounds(wall, cpu)
+    return wall
 
 
 def median_ratio(a: Sequence[float], b: Sequence[float]) -> float:

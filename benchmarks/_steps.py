@@ -147,11 +147,14 @@ def wide_resnet(opts: dict, depth: int, width: int, key, in_channels: int = 3) -
 
 
 def wrn_loss(model, state, x, y):
-    """Per-image cross-entropy of a WideResNet; uint8 images normalised as CIFAR-10's."""
-    mean = jnp.asarray(CIFAR_MEAN, jnp.float32)[:, None, None]
-    std = jnp.asarray(CIFAR_STD, jnp.float32)[:, None, None]
-    x = ((x.astype(jnp.float32) / 255.0 - mean) / std).astype(model.stem.weight.dtype)
-    logits, state = model.batched(x, state)
+    """Per-image cross-entropy of a WideResNet, threading its normalisation state: uint8
+    images (the grids' synthetic ones) normalised as CIFAR-10's, others (quality.py's
+    Fashion-MNIST, normalised when loaded) as they are, in the stem's dtype."""
+    if x.dtype == jnp.uint8:
+        mean = jnp.asarray(CIFAR_MEAN, jnp.float32)[:, None, None]
+        std = jnp.asarray(CIFAR_STD, jnp.float32)[:, None, None]
+        x = (x.astype(jnp.float32) / 255.0 - mean) / std
+    logits, state = model.batched(x.astype(model.stem.weight.dtype), state)
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y), state
 
 
@@ -179,6 +182,22 @@ def hand_step(model, loss, optimizer):
         return optax.apply_updates(params, updates), opt_state, value
 
     return jax.jit(step, donate_argnums=(0, 1))
+
+
+def hand_loop(model, loss, optimizer):
+    """`hand_step` run as a user's loop runs it, on a copy of `model`'s parameters:
+    `run(batches)` makes an update per batch and waits for the last loss; `box` holds the
+    parameters and the optimizer state."""
+    call = hand_step(model, loss, optimizer)
+    box = [jax.tree.map(jnp.copy, eqx.filter(model, eqx.is_inexact_array))]
+    box.append(optimizer.init(box[0]))
+
+    def run(batches):
+        for batch in batches:
+            box[0], box[1], value = call(box[0], box[1], batch)
+        return jax.block_until_ready(value)
+
+    return run, box
 
 
 def step_cases(scale: int = 1) -> dict:
@@ -312,21 +331,14 @@ def multisteps(name: str, spec: dict, sizes: dict):
     """`optax.MultiSteps`: a hand-written step per micro-batch."""
     cfg, k = sizes["transformer"], spec["accumulate"]
     model_key, data_key = jr.split(jr.PRNGKey(0))
-    model, opt = encoder(cfg, model_key), optax.MultiSteps(optax.sgd(0.01), every_k_schedule=k)
-    call, (x, y) = hand_step(model, el.train.mse, opt), _batch(cfg, data_key)
-    params = eqx.filter(model, eqx.is_inexact_array)
-    holder = [params, opt.init(params)]
-
-    def update():
-        for i in range(k):
-            holder[0], holder[1], value = call(holder[0], holder[1], (x[i::k], y[i::k]))
-        _ready(holder[:2])
-        return value
-
+    opt = optax.MultiSteps(optax.sgd(0.01), every_k_schedule=k)
+    run, box = hand_loop(encoder(cfg, model_key), el.train.mse, opt)
+    x, y = _batch(cfg, data_key)
+    update = lambda: run((x[i::k], y[i::k]) for i in range(k))  # noqa: E731
     loss = float(update())
     if loss != loss:
         raise FloatingPointError("MultiSteps' first update is not finite")
-    return update, {"loss": loss, "opt_state_bytes": _tree_bytes(holder[1])}
+    return update, {"loss": loss, "opt_state_bytes": _tree_bytes(box[1])}
 
 
 def stream(name: str, spec: dict, sizes: dict):
@@ -426,14 +438,9 @@ def step(name: str, spec: dict, sizes: dict):
     the same gradient; later ones differ where rounding does, which Adam's division of a
     near-zero gradient by its own size turns into steps)."""
     model, loss, batch = step_cases(sizes["step_scale"])[spec["case"]]
-    params, optimizer = eqx.filter(model, eqx.is_inexact_array), optax.adam(1e-3)
-    hand, box = hand_step(model, loss, optimizer), [jax.tree.map(jnp.copy, params)]
-    box.append(optimizer.init(box[0]))
-
-    def hand_update():
-        box[0], box[1], value = hand(box[0], box[1], batch)
-        return jax.block_until_ready(value)
-
+    optimizer = optax.adam(1e-3)
+    run, box = hand_loop(model, loss, optimizer)
+    hand_update = lambda: run([batch])  # noqa: E731
     if spec["hand"]:
         return hand_update, {"loss": float(hand_update())}
     library = el.train.make_step(loss, optimizer)
@@ -463,20 +470,13 @@ def fit(name: str, spec: dict, sizes: dict):
     ys = rng.integers(0, 10, b * updates).astype(np.int32)
     optimizer = optax.adam(1e-3)
     if spec["hand"]:
-        hand, params = hand_step(model, loss, optimizer), jax.tree.map(jnp.copy, model)
-        box = [eqx.filter(params, eqx.is_inexact_array)]
-        box.append(optimizer.init(box[0]))
+        run = hand_loop(model, loss, optimizer)[0]
         stream = el.data.DataStream((xs, ys), batch_size=b, key=jr.PRNGKey(1))
 
-        def batches():  # a NumPy gather per batch, or the library's prefetching stream
+        def epoch():  # a NumPy gather per batch, or the library's prefetching stream
             if spec.get("prefetch"):
-                return stream.prefetch()
-            return ((xs[rows], ys[rows]) for rows in np.split(rng.permutation(len(xs)), updates))
-
-        def epoch():
-            for batch in batches():
-                box[0], box[1], value = hand(box[0], box[1], batch)
-            jax.block_until_ready(value)
+                return run(stream.prefetch())
+            return run((xs[rows], ys[rows]) for rows in np.split(rng.permutation(len(xs)), updates))
 
     else:
         trainer = el.train.Trainer(model, loss, optimizer, progress=False,

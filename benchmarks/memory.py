@@ -102,7 +102,6 @@ LM_LOSS_ROWS = {"naive": (None, None, "auto"), "chunked": (None, "auto", "auto")
                 "chunked_rows32": (None, "auto", 32), "body": (128, None, "auto"),
                 "head": ()}  # fmt: skip
 GPU_TARGET = "h100"
-MB = 1e6
 
 # name: options of the guide's step (remat, segment, scan, accumulate, precision, plain).
 GUIDE_ROWS = {
@@ -201,7 +200,15 @@ def precision_row(cfg: dict, preset: str) -> dict:
 
 
 def shard_rows(cfg: dict) -> dict:
-    """Replicated against FSDP over 2, 4 and 8 devices: per-device compiled bytes."""
+    """Replicated against FSDP over 2, 4 and 8 devices: per-device compiled bytes, in a
+    process of its own where this one has fewer devices (8 host devices are set before JAX
+    starts: `--worker`)."""
+    if jax.device_count() < 8:
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+        lines, proc = spawn(__file__, cfg, timeout=1800, env={"XLA_FLAGS": flags})
+        if proc is None or proc.returncode or not lines:
+            raise RuntimeError(f"the shard/ worker failed:\n{proc and proc.stderr[-4000:]}")
+        return lines[-1]
 
     def loss(model, x):
         return jnp.mean(jax.vmap(model)(x) ** 2, axis=(1, 2))
@@ -410,11 +417,6 @@ def rows(smoke: bool) -> dict:
     return out | {f"frontier/{n}": (frontier_row, n, smoke) for n in quality.ALL_CONFIGS}
 
 
-def worker(spec: dict) -> dict:
-    fn, *args = rows(spec["smoke"])[spec["name"]]
-    return fn(*args)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", default=[""], help="rows whose name starts so")
@@ -423,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        print("RESULT " + json.dumps(shard_rows(json.loads(args.worker))), flush=True)
         return 0
     path = args.out / "memory_grid.json"
     kept = json.loads(path.read_text())["rows"] if path.exists() else {}
@@ -431,15 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, (fn, *fargs) in rows(args.smoke).items():
         if not any(name.startswith(p) for p in args.only):
             continue
-        if name == "shard/":  # 8 host devices, set before JAX starts: a process of its own
-            flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-            spec = {"name": name, "smoke": args.smoke}
-            lines, proc = spawn(__file__, spec, timeout=1800, env={"XLA_FLAGS": flags})
-            if proc is None or proc.returncode or not lines:
-                raise RuntimeError(f"the {name} worker failed:\n{proc and proc.stderr[-4000:]}")
-            found |= lines[-1]
-        else:
-            found[name] = fn(*fargs)
+        found |= fn(*fargs) if name == "shard/" else {name: fn(*fargs)}  # shard/: 3 rows
         # Written after every row: a long run keeps what it compiled.
         path = write_json("memory_grid", {"rows": {**kept, **found}}, directory=args.out)
         print(f"{name}: wrote {path}", flush=True)

@@ -5,7 +5,7 @@ with a dynamic loss scale (`mixed_fp16`), every residual block recomputed
 ("checkpoint-residual-1"), micro-batches of 10 at batch 100 and 30% of the 3x3 convolutions
 rewired by DSR. Every configuration sees the same images in the same order from the same
 initial weights per seed; test accuracy after every epoch goes in the JSON. The data: the
-Debian package `dataset-fashion-mnist`. The seeds (or, `--frontier`, the configurations)
+Debian package `dataset-fashion-mnist`. The configurations (and the comparison's seeds)
 train side by side, one worker process each pinned to its own core: XLA:CPU runs one small
 WRN update only 1.2x faster on two cores than on one.
 
@@ -15,6 +15,7 @@ WRN update only 1.2x faster on two cores than on one.
     python benchmarks/quality.py --sparse-variants  # DSR's settings, held out
     python benchmarks/quality.py --timing-only    # step times only
     python benchmarks/quality.py --frontier       # accuracy against compiled memory (45 min)
+    python benchmarks/quality.py --optimizer-state  # Adam's state in 32, 16, 8 bits: the loss
     python benchmarks/quality.py --quick [--frontier]  # a smoke test
 
 `--frontier` trains a WRN-10-2 family over a grid of the techniques, alone and combined
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     RESULTS,
     compiled_memory,
+    interleaved,
     pinned_worker,
     pyplot,
     run_pinned,
@@ -121,15 +123,6 @@ def _opts(name: str) -> dict:
 # ------------------------------------------------------------------------ data and steps
 
 
-def wrn_loss(model, state, x, y):
-    """Per-image cross-entropy of a WideResNet, threading its BatchNorm state."""
-    import jax.numpy as jnp
-    import optax
-
-    logits, state = model.batched(x, state)
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y), state
-
-
 def _images(split: str, n: int | None = None) -> tuple[Any, Any]:
     import numpy as np
 
@@ -178,6 +171,7 @@ def make_config_step(name: str, cfg: dict, precision=None, opts=None, mesh=None)
     settings when `name` is not one of the comparison's; `mesh` places it)."""
     import jax.numpy as jnp
     import optax
+    from _steps import wrn_loss
 
     import eqx_lowmem as el
 
@@ -186,7 +180,7 @@ def make_config_step(name: str, cfg: dict, precision=None, opts=None, mesh=None)
     if opts["density"] is not None and opts.get("rewire", True):
         fraction = {"fraction": opts["dsr_fraction"]} if "dsr_fraction" in opts else {}
         after_update = el.sparse.dsr(period=dsr_period(total), total_steps=total, **fraction)
-    schedule = optax.cosine_decay_schedule(cfg["lr"], max(total, 1))
+    schedule = optax.cosine_decay_schedule(opts.get("lr", cfg["lr"]), max(total, 1))
     optimizer = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(schedule, momentum=0.9))
     dtype = jnp.dtype(opts.get("accumulate_dtype", "float32"))
     return el.train.make_step(wrn_loss, optimizer, has_state=True, accumulate=opts["accumulate"],
@@ -222,7 +216,7 @@ def _predict(model, state, x, micro_batch=None):
     return jnp.argmax(logits, axis=-1)
 
 
-def train_one(name, seed, cfg, data, step=None, precision=None, opts=None) -> dict:
+def train_one(name, seed, cfg, data, step, opts) -> dict:
     """Train one configuration; test accuracy after every epoch, the first call's seconds
     and the median seconds of the other updates."""
     import equinox as eqx
@@ -233,8 +227,6 @@ def train_one(name, seed, cfg, data, step=None, precision=None, opts=None) -> di
     import eqx_lowmem as el
 
     (x_train, y_train), (x_test, y_test) = data
-    opts = _opts(name) if opts is None else opts
-    step = make_config_step(name, cfg, precision, opts) if step is None else step
     ts = init_state(name, seed, cfg, step, opts)
     predict = eqx.filter_jit(_predict)
     if opts.get("eval_stats") == "micro_batch":  # BatchNorm evaluated as it trained
@@ -271,7 +263,6 @@ def time_steps(cfg: dict, data: tuple, steps: int = 5) -> dict:
     """The first call's seconds and the median of `steps` more (FP32; FP16 and bf16 combined)."""
     import jax
     import jax.numpy as jnp
-    from _common import time_median
 
     (x, y), _ = data
     batch, out = (jnp.asarray(x[: cfg["batch"]]), jnp.asarray(y[: cfg["batch"]])), {}
@@ -288,7 +279,8 @@ def time_steps(cfg: dict, data: tuple, steps: int = 5) -> dict:
         t0 = time.perf_counter()
         update()
         first = time.perf_counter() - t0
-        out[row] = {"first_call_s": first, "step_s": time_median(update, repeats=steps, burn_in=0)}
+        wall = interleaved({row: update}, steps)[row]
+        out[row] = {"first_call_s": first, "step_s": statistics.median(wall)}
         print(f"{row}: first call {first:.1f} s, step {out[row]['step_s']:.3f} s", flush=True)
     return out
 
@@ -297,82 +289,87 @@ def time_steps(cfg: dict, data: tuple, steps: int = 5) -> dict:
 
 
 def _train_spec(spec: dict) -> dict:
-    """A worker's job: each of `names` on each of `seeds` (`{name: {seed: run}}`), or
-    (`frontier`) one configuration's compiled peak, then its seeds."""
-    cfg = spec["cfg"]
-    data = load_data(cfg)
-    if "frontier" in spec:
-        return train_config(spec, data)
-    names = spec.get("names") or list(QUALITY_CONFIGS)
-    steps = {n: make_config_step(n, cfg, spec["precision"] if n == "combined" else None)
-             for n in names}  # fmt: skip
-    runs: dict[str, dict] = {n: {} for n in names}
-    for seed in spec["seeds"]:  # configurations rotated per seed: workers run different ones
-        k = cfg["seeds"].index(seed) % len(names)
-        for n in names[k:] + names[:k]:
-            runs[n][str(seed)] = train_one(n, seed, cfg, data, steps[n])
-    return runs
+    """A worker's job: one configuration (`opts`) trained on each of `seeds`, after (with
+    `memory`) its step's compiled peak at the run's batch, a program the first update then
+    reads back from the persistent cache that the run's workers share (`cache`)."""
+    import jax
+    import jax.numpy as jnp
+
+    name, opts, cfg = spec["label"], spec["opts"], spec["cfg"]
+    if spec.get("cache"):
+        jax.config.update("jax_compilation_cache_dir", spec["cache"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    data, out = load_data(cfg), {}
+    step = make_config_step(name, cfg, opts=opts)
+    if spec["memory"]:
+        state, t0 = init_state(name, cfg["seeds"][0], cfg, step, opts), time.perf_counter()
+        (x, y), _ = data
+        batch = (jnp.asarray(x[: cfg["batch"]]), jnp.asarray(y[: cfg["batch"]]))
+        out["memory"] = compiled_memory(step.lower(state, batch).compile())
+        out["compile_s"] = time.perf_counter() - t0
+    out["runs"] = {str(s): train_one(name, s, cfg, data, step, opts=opts) for s in spec["seeds"]}
+    return out
 
 
-def run_workers(specs: list[dict], workers: int | None = None) -> list[dict]:
-    """Each of `specs` in its own worker process pinned to a core, at most `workers` at a
-    time (default one per core; 1: all here); their results in order."""
-    workers = workers_per_core(len(specs)) if workers is None else min(workers, len(specs))
-    if workers <= 1:
-        return [_train_spec({**s, "cache": None}) for s in specs]
-    return run_pinned(__file__, specs, workers)
+def run_rows(cfg: dict, rows: dict, workers=None, *, per_seed=False, memory=False) -> tuple:
+    """Each configuration of `rows` (name: options) trained on `cfg`'s seeds, a job per
+    configuration (or, `per_seed`, per configuration and seed) in worker processes pinned
+    one per core, at most `workers` at a time (1: all here): `{name: {"runs": {seed: run},
+    "memory", "compile_s"}}` and the count of workers."""
+    seeds = [[s] for s in cfg["seeds"]] if per_seed else [cfg["seeds"]]
+    jobs = [{"label": n, "opts": o, "cfg": cfg, "seeds": s, "memory": memory}
+            for n, o in rows.items() for s in seeds]  # fmt: skip
+    workers = workers_per_core(len(jobs)) if workers is None else min(workers, len(jobs))
+    with tempfile.TemporaryDirectory(prefix="quality_cache_") as cache:
+        if workers > 1:
+            outs = run_pinned(__file__, [{**j, "cache": cache} for j in jobs], workers)
+        else:
+            outs = [_train_spec(j) for j in jobs]
+    merged: dict[str, dict] = {n: {"runs": {}} for n in rows}
+    for job, out in zip(jobs, outs, strict=True):
+        merged[job["label"]]["runs"] |= out.pop("runs")
+        merged[job["label"]] |= out
+    return merged, workers
 
 
 def run_quality(cfg: dict, precision=None, workers=None) -> dict:
-    """The comparison at `cfg`, each worker given every `workers`-th seed."""
-    import numpy as np
-
+    """The comparison at `cfg`: each configuration and seed a job of its own."""
+    configs = {**QUALITY_CONFIGS}
+    if precision is not None:
+        configs["combined"] = {**configs["combined"], "precision": precision}
     t0 = time.perf_counter()
-    workers = workers_per_core(len(cfg["seeds"])) if workers is None else workers
-    workers = min(workers, len(cfg["seeds"]))
-    specs = [{"cfg": cfg, "seeds": cfg["seeds"][w::workers], "precision": precision,
-              "label": f"seeds {cfg['seeds'][w::workers]}"} for w in range(workers)]  # fmt: skip
-    merged: dict[str, dict] = {n: {} for n in QUALITY_CONFIGS}
-    for out in run_workers(specs, workers):
-        for n, by_seed in out.items():
-            merged[n].update(by_seed)
-    runs = {n: {str(s): merged[n][str(s)] for s in cfg["seeds"]} for n in merged}
-    final = {n: float(np.mean([r["test_accuracy"][-1] for r in runs[n].values()])) for n in runs}
+    out, workers = run_rows(cfg, configs, workers, per_seed=True)
+    runs = {n: {str(s): out[n]["runs"][str(s)] for s in cfg["seeds"]} for n in out}
+    final = {n: statistics.mean(r["test_accuracy"][-1] for r in runs[n].values()) for n in runs}
     gap = 100 * (final["baseline_fp32"] - final["combined"])
-    return {"config": cfg, "configs": QUALITY_CONFIGS, "workers": workers,
-            "combined_precision": precision or QUALITY_CONFIGS["combined"]["precision"],
+    return {"config": cfg, "configs": configs, "workers": workers,
+            "combined_precision": configs["combined"]["precision"],
             "dsr": {"period": dsr_period(total_steps(cfg)), "total_steps": total_steps(cfg)},
             "runs": runs, "final_mean_accuracy": final, "gap_points": gap,
             "within_half_a_point": bool(gap <= 0.5),
             "run_seconds": time.perf_counter() - t0}  # fmt: skip
 
 
-def held_out(cfg: dict) -> dict:
-    """`cfg` scored on `cfg["test"]` held-out training images, with its first seed."""
-    train = min(cfg["train"], FASHION_TRAIN - cfg["test"])
-    return {**cfg, "train": train, "validation": True, "seeds": cfg["seeds"][:1]}
-
-
-def run_rows(cfg: dict, rows: dict, workers=None, held=False) -> dict:
-    """Each configuration of `rows` on `cfg`'s first seed, one worker each; on held-out
-    training images (`held`), their accuracy named `validation_accuracy`."""
-    cfg = held_out(cfg) if held else {**cfg, "seeds": cfg["seeds"][:1]}
-    t0, runs = time.perf_counter(), {}
-    specs = [{"cfg": {**cfg, "lr": r.get("lr", cfg["lr"])}, "seeds": cfg["seeds"],
-              "precision": None, "names": [r.get("name", n)], "label": n}
-             for n, r in rows.items()]  # fmt: skip
-    for n, out in zip(rows, run_workers(specs, workers), strict=True):
-        runs[n] = next(iter(out.values()))
-        for run in runs[n].values() if held else ():
-            run["validation_accuracy"] = run.pop("test_accuracy")
-    return {"config": cfg, "configs": rows, "workers": workers or workers_per_core(len(rows)),
-            "runs": runs, "run_seconds": time.perf_counter() - t0}  # fmt: skip
+def run_seed0(cfg: dict, rows: dict, workers=None, held=False) -> dict:
+    """Each configuration of `rows` on `cfg`'s first seed, a worker each; with `held`, scored
+    on `cfg["test"]` training images held out (the accuracy named `validation_accuracy`)."""
+    cfg = {**cfg, "seeds": cfg["seeds"][:1]}
+    if held:
+        cfg |= {"train": min(cfg["train"], FASHION_TRAIN - cfg["test"]), "validation": True}
+    t0 = time.perf_counter()
+    out, workers = run_rows(cfg, rows, workers)
+    runs = {n: o["runs"] for n, o in out.items()}
+    for run in (r for by_seed in runs.values() for r in by_seed.values()) if held else ():
+        run["validation_accuracy"] = run.pop("test_accuracy")
+    return {"config": cfg, "configs": rows, "workers": workers, "runs": runs,
+            "run_seconds": time.perf_counter() - t0}  # fmt: skip
 
 
 def select_lr(cfg: dict, candidates: list[float], workers=None) -> dict:
     """The rate, before any test image is seen: the FP32 baseline's best on held-out images."""
-    rows = {str(lr): {"name": "baseline_fp32", "lr": lr} for lr in candidates}
-    out = run_rows(cfg, rows, workers, held=True)
+    rows = {str(lr): {**QUALITY_CONFIGS["baseline_fp32"], "lr": lr} for lr in candidates}
+    out = run_seed0(cfg, rows, workers, held=True)
     seed = str(out["config"]["seeds"][0])
     runs = {lr: by_seed[seed] for lr, by_seed in out["runs"].items()}
     accuracy = {lr: run["validation_accuracy"][-1] for lr, run in runs.items()}
@@ -398,28 +395,6 @@ def uses(opts: dict, cfg: dict) -> str:
     parts += [norm] if norm else []
     parts += ["BatchNorm evaluated per micro-batch"] * (opts.get("eval_stats") == "micro_batch")
     return " + ".join(parts)
-
-
-def train_config(spec: dict, data: tuple) -> dict:
-    """The compiled peak of one configuration's step at the run's batch (the program the
-    first call then reads back from the persistent cache), then each seed trained."""
-    import jax
-    import jax.numpy as jnp
-
-    name, opts, cfg = spec["name"], spec["opts"], spec["cfg"]
-    if spec.get("cache"):
-        jax.config.update("jax_compilation_cache_dir", spec["cache"])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    step = make_config_step(name, cfg, opts=opts)
-    state = init_state(name, cfg["seeds"][0], cfg, step, opts)
-    (x, y), _ = data
-    t0 = time.perf_counter()
-    batch = (jnp.asarray(x[: cfg["batch"]]), jnp.asarray(y[: cfg["batch"]]))
-    memory = compiled_memory(step.lower(state, batch).compile())
-    compile_s = time.perf_counter() - t0
-    runs = {str(s): train_one(name, s, cfg, data, step, opts=opts) for s in cfg["seeds"]}
-    return {"memory": memory, "compile_s": compile_s, "runs": runs}
 
 
 def _row(name: str, opts: dict, cfg: dict, out: dict) -> dict:
@@ -481,12 +456,8 @@ def goal(rows: list[dict], combination: str) -> dict:
 
 def run_frontier(cfg: dict, names: list[str], workers=None) -> dict:
     load_before, t0 = os.getloadavg(), time.perf_counter()
-    workers = workers_per_core(len(names)) if workers is None else min(workers, len(names))
-    with tempfile.TemporaryDirectory(prefix="frontier_cache_") as cache:
-        specs = [{"frontier": True, "name": n, "opts": ALL_CONFIGS[n], "cfg": cfg, "label": n,
-                  "cache": cache} for n in names]  # fmt: skip
-        outs = run_workers(specs, workers)
-    rows = [_row(n, ALL_CONFIGS[n], cfg, out) for n, out in zip(names, outs, strict=True)]
+    out, workers = run_rows(cfg, {n: ALL_CONFIGS[n] for n in names}, workers, memory=True)
+    rows = [_row(n, ALL_CONFIGS[n], cfg, out[n]) for n in names]
     result = {"config": cfg, "workers": workers, "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
               "timing_note": "the 2 cores were shared with other work: compare step times "
@@ -495,6 +466,55 @@ def run_frontier(cfg: dict, names: list[str], workers=None) -> dict:
               "goal": [goal(rows, c) for c in COMBINATIONS if c in names]}  # fmt: skip
     result["budget_table"] = budget_table(result)
     return result
+
+
+# ------------------------------------------------------------------------ optimizer state
+
+
+def optimizer_state_loss(updates: int, seeds=(0, 1)) -> dict:
+    """`--optimizer-state`: Adam's state in float32, 16 bits (`half_state`) and 8 bits
+    (`quantized_state`) on the small character LM (`_steps.char_lm`) trained on the standard
+    library's source (the main example's corpus, nothing downloaded), over the same batches
+    in the same order per seed: the loss per update and the held-out loss at the end. Goal
+    (issue 39): the 8-bit state's held-out loss within the float32 seeds' spread. Its bytes
+    and compiled peaks are `memory.py`'s `optimizer_state/*` rows, its step times
+    `speed.py`'s (`optimizer_state.json` of 2026-12-04 holds all three, measured before)."""
+    import importlib.util
+
+    import equinox as eqx
+    import jax.numpy as jnp
+    import jax.random as jr
+    import numpy as np
+    from _steps import CHAR_LM_SMALL, OPTIMIZERS, char_lm, char_loss, lm_mean_loss
+
+    import eqx_lowmem as el
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_char_lm.py"
+    spec = importlib.util.spec_from_file_location("train_char_lm", example)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg, text = CHAR_LM_SMALL, np.frombuffer(module.stdlib_text(400_000), np.uint8)
+    windows = text[: len(text) // (cfg["seq"] + 1) * (cfg["seq"] + 1)].astype(np.int32)
+    data = windows.reshape(-1, cfg["seq"] + 1)
+    data, held_out, curves = data[:-256], data[-256:], {}
+    for seed in seeds:
+        order = np.random.default_rng(seed).integers(0, len(data), (updates, cfg["batch"]))
+        for name, make in OPTIMIZERS.items():
+            step = el.train.make_step(char_loss, make())
+            state = step.init(char_lm(cfg, jr.PRNGKey(seed)), key=jr.PRNGKey(seed + 100))
+            losses = []
+            for rows in order:
+                state, info = step(state, (jnp.asarray(data[rows]),))
+                losses.append(float(info["loss"]))
+            held = eqx.filter_jit(lm_mean_loss)(state.model, held_out, "auto")
+            curves.setdefault(name, []).append({"seed": seed, "losses": losses,
+                                                "held_out": float(held)})  # fmt: skip
+    held = {n: [r["held_out"] for r in rows] for n, rows in curves.items()}
+    spread = abs(held["float32"][0] - held["float32"][1])
+    gap = abs(np.mean(held["8bit"]) - np.mean(held["float32"]))
+    summary = {"held_out_loss": held, "held_out_gap_8bit_vs_float32": gap,
+               "float32_seed_spread": spread, "loss_goal_met": bool(gap <= spread)}  # fmt: skip
+    return {"summary": summary, "small": cfg, "updates": updates, "curves": curves}
 
 
 # ---------------------------------------------------------------------------------- plots
@@ -534,7 +554,8 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-    for flag in ("select-lr", "ablation", "sparse-variants", "timing-only", "frontier"):
+    for flag in ("select-lr", "ablation", "sparse-variants", "timing-only", "frontier",
+                 "optimizer-state"):  # fmt: skip
         p.add_argument(f"--{flag}", action="store_true", help="a run of the docstring")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and plot")
     p.add_argument("--name", help="file name of the JSON and plot (default: the run's)")
@@ -544,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", help="override the configuration's seeds")
     p.add_argument("--lr", type=float, help="override the configuration's learning rate")
     p.add_argument("--lrs", type=float, nargs="+", help=f"--select-lr's rates {LR_CANDIDATES}")
+    p.add_argument("--updates", type=int, default=300, help="--optimizer-state's updates")
     p.add_argument("--configs", nargs="+", choices=list(ALL_CONFIGS), help="frontier rows")
     p.add_argument("--workers", type=int, help="processes, one core each (1: all here)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -566,10 +588,14 @@ def main(argv: list[str] | None = None) -> int:
     elif args.select_lr:
         result, name = select_lr(cfg, args.lrs or LR_CANDIDATES, args.workers), "paper_quality_lr"
     elif args.ablation:
-        result, name = run_rows(cfg, ABLATIONS, args.workers), "paper_quality_ablation"
+        result, name = run_seed0(cfg, ABLATIONS, args.workers), "paper_quality_ablation"
     elif args.sparse_variants:
-        result = run_rows(cfg, SPARSE_VARIANTS, args.workers, held=True)
+        result = run_seed0(cfg, SPARSE_VARIANTS, args.workers, held=True)
         result["validation_seed"], name = VALIDATION_SEED, "paper_quality_sparse"
+    elif args.optimizer_state:
+        updates = 2 if args.quick else args.updates
+        result, name = optimizer_state_loss(updates), "optimizer_state_loss"
+        print(json.dumps(result["summary"], indent=1))
     elif args.frontier:
         names = args.configs or (QUICK_CONFIGS if args.quick else list(CONFIGS))
         result, name = run_frontier(cfg, names, args.workers), "frontier"

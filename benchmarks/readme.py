@@ -37,6 +37,11 @@ def date(name: str) -> str:
     return result(name)["environment"]["date"][:10]
 
 
+def cite(name: str) -> str:
+    """A figure's source: its JSON and the day it was measured."""
+    return f"`{name}.json`, {date(name)}"
+
+
 def para(text: str) -> str:
     return textwrap.fill(text, width=92, break_long_words=False, break_on_hyphens=False)
 
@@ -64,6 +69,11 @@ def goal(met) -> str:
     return (
         "not measured" if met is None or isinstance(met, str) else "met" if met else "**not met**"
     )
+
+
+def goal_of(d: dict, key: str) -> str:
+    """A goal of a JSON that keeps `goals` and `goals_met`: "the goal of 0.95x: met"."""
+    return f"the goal of {d['goals'][key]}x: {goal(d['goals_met'][key])}"
 
 
 def pc(value) -> str:
@@ -121,9 +131,9 @@ def checkpoint() -> str:
                "{orbax_async_stall_s:.3f} s", "its write": "{orbax_async_write_s:.2f} s",
                "orbax sync": "{orbax_sync_write_s:.2f} s"}  # fmt: skip
     return "\n\n".join([
-        para(f"Measured (`benchmarks/checkpoint.py`, `checkpoint.json`, {date('checkpoint')}, "
-             f"2 CPU cores at a load average of {min(loads):.1f}-{max(loads):.1f}, medians of 5 "
-             "saves; seconds the save holds the caller, and the asynchronous write's whole time):"),
+        para(f"Measured (`benchmarks/checkpoint.py`, {cite('checkpoint')}, 2 CPU cores at a load "
+             f"average of {min(loads):.1f}-{max(loads):.1f}, medians of 5 saves; seconds the save "
+             "holds the caller, and the asynchronous write's whole time):"),
         spec_table("state", columns, rows),
         para(f"The asynchronous stall is {x(big['async_stall_vs_file_save'])} the single file's "
              f"save (the goal of at most 0.2x: {goal(met)}). Killed {kills['killed']} times at "
@@ -136,9 +146,9 @@ def shard() -> str:
     rows = {n: {k: grid()[f"shard/{n}"]["fsdp"][k] / grid()[f"shard/{n}"]["data"][k]
                 for k in ("argument", "temp")} for n in (2, 4, 8)}  # fmt: skip
     return "\n\n".join([
-        para(f"Compiled for XLA:CPU host devices (`python benchmarks/memory.py --only shard/`, "
-             f"`memory_grid.json`, {date('memory_grid')}, a 4-block encoder with Adam): "
-             "FSDP's per-device bytes against the replicated step's."),
+        para("Compiled for XLA:CPU host devices (`python benchmarks/memory.py --only shard/`, "
+             f"{cite('memory_grid')}, a 4-block encoder with Adam): FSDP's per-device bytes "
+             "against the replicated step's."),
         spec_table("devices", {"arguments": "{argument:.2f}x", "temporaries": "{temp:.2f}x"}, rows),
     ])  # fmt: skip
 
@@ -161,11 +171,10 @@ def sparse() -> str:
     columns = {"parameters + Adam": "{stored:.2f}x", "step's peak": "{peak:.2f}x",
                "step's time": "{time:.2f}x"}  # fmt: skip
     return "\n\n".join([
-        para(f"Measured (`benchmarks/speed.py --only sparse/`, `speed.json`, {date('speed')}, "
-             "2 CPU cores, times side by side in one process; memory compiled by "
-             f"`benchmarks/memory.py`, `memory_grid.json`, {date('memory_grid')}; an MLP of "
-             "three 1024x1024 layers and a head, batch 128, Adam, 30% density and 10% slack), "
-             "against dense:"),
+        para(f"Measured (`benchmarks/speed.py --only sparse/`, {cite('speed')}, 2 CPU cores, "
+             "times side by side in one process; memory compiled by `benchmarks/memory.py`, "
+             f"{cite('memory_grid')}; an MLP of three 1024x1024 layers and a head, batch 128, "
+             "Adam, 30% density and 10% slack), against dense:"),
         spec_table("variant", columns, {SPARSE[n][0]: r for n, r in rows.items()}),
         para("Goals: " + "; ".join(goals) + "."),
     ])  # fmt: skip
@@ -250,29 +259,24 @@ def remat() -> str:
     rows = [[n, f"{peak_vs('guide/' + n):.3f}", f"{v[f'{n}/scan']['time_vs_none']:.2f}"]
             for n in ("full", "dots", "minimal")]  # fmt: skip
     return "\n\n".join([
-        para(f"**Recomputation presets** (memory at the guide's size, `memory_grid.json`, "
-             f"{date('memory_grid')}; time at 4 layers, batch 2, `remat.json`, {date('remat')}; "
-             f"compiling 48 scanned layers took {d['compile_s']['48'] / d['compile_s']['4']:.3f}x "
-             "the time of 4):"),
+        para(f"**Recomputation presets** (memory at the guide's size, {cite('memory_grid')}; "
+             f"time at 4 layers, batch 2, {cite('remat')}; compiling 48 scanned layers took "
+             f"{d['compile_s']['48'] / d['compile_s']['4']:.3f}x the time of 4):"),
         table(["preset", "peak vs none", "time vs none"], rows),
     ])  # fmt: skip
 
 
 def accumulate() -> str:
-    d = result("accumulate")
-    a, met, g = d["achieved"], d["goals_met"], d["goals"]
-    m = d["model"]
+    d, g = result("accumulate"), grid()
+    a, m = d["achieved"], d["model"]
     return para(
         f"**Accumulation** ({m['n_layers']} blocks, d_model {m['d_model']}, seq {d['seq']}, "
-        f"batch {d['batch']}, SGD; times `accumulate.json`, {date('accumulate')}, peaks "
-        f"`memory_grid.json`): 4 micro-batches of 8 ran at {x(a['scan_k4_vs_whole_batch'])} the "
-        f"whole batch's updates per second with a peak of "
-        f"{grid()['accumulate/k4']['peak'] / MIB:.0f} MiB against "
-        f"{grid()['accumulate/k1']['peak'] / MIB:.0f} MiB (the goal of "
-        f"{g['scan_k4_vs_whole_batch']}x: {goal(met['scan_k4_vs_whole_batch'])}), and at "
-        f"{x(a['scan_k4_vs_multisteps_k4'])} `optax.MultiSteps`, which keeps a parameter-sized "
-        f"buffer in its optimizer state (the goal of {g['scan_k4_vs_multisteps_k4']}x: "
-        f"{goal(met['scan_k4_vs_multisteps_k4'])})."
+        f"batch {d['batch']}, SGD; times {cite('accumulate')}, peaks `memory_grid.json`): 4 "
+        f"micro-batches of 8 ran at {x(a['scan_k4_vs_whole_batch'])} the whole batch's updates "
+        f"per second with a peak of {g['accumulate/k4']['peak'] / MIB:.0f} MiB against "
+        f"{g['accumulate/k1']['peak'] / MIB:.0f} MiB ({goal_of(d, 'scan_k4_vs_whole_batch')}), "
+        f"and at {x(a['scan_k4_vs_multisteps_k4'])} `optax.MultiSteps`, which keeps a "
+        f"parameter-sized buffer in its optimizer state ({goal_of(d, 'scan_k4_vs_multisteps_k4')})."
     )
 
 
@@ -281,24 +285,22 @@ def precision() -> str:
     saved = g["precision/mixed_bf16"]["saved_bytes"] / g["precision/float32"]["saved_bytes"]
     state = g["precision/half_bf16"]["param_opt_bytes"] / g["precision/float32"]["param_opt_bytes"]
     return para(
-        f"**Precision** (`benchmarks/memory.py`, `memory_grid.json`, {date('memory_grid')}, "
-        f"guide configuration): the backward pass keeps {x(saved)} the bytes in mixed bf16 that "
-        f"it keeps in float32; 16-bit storage holds parameters and Adam state in {x(state)} the "
-        f"bytes (both goals of at most 0.55x: {goal(max(saved, state) <= 0.55)})."
+        f"**Precision** (`benchmarks/memory.py`, {cite('memory_grid')}, guide configuration): "
+        f"the backward pass keeps {x(saved)} the bytes in mixed bf16 that it keeps in float32; "
+        f"16-bit storage holds parameters and Adam state in {x(state)} the bytes (both goals of "
+        f"at most 0.55x: {goal(max(saved, state) <= 0.55)})."
     )
 
 
 def data() -> str:
-    d = result("stream")
-    big, small = d["rates_64KiB"]["methods"], d["rates_1KiB"]["methods"]
-    mix, p = d["mixing"], result("speed_stream")
-    prefetch = p["goals"]["stream_vs_resident"]
-    names = ("bounded_shuffle_512", "global_shuffle")
-    rows = [[n, f"{big[n]['vs_in_order']:.2f}x", f"{small[n]['vs_in_order']:.2f}x"] for n in names]
-    safe_vs = [x(d["achieved"][f"safe_vs_plain_reads_{k}"]) for k in ("64KiB", "1KiB")]
-    rows.append(["global shuffle, `safe_reads` (a lease) vs NumPy's copy", *safe_vs])
-    safe_met = all(d["goals_met"][f"safe_vs_plain_reads_{k}"] for k in ("64KiB", "1KiB"))
-    dist = mix["distinct_classes_per_batch"]
+    d, p = result("stream"), result("speed_stream")
+    mix, prefetch, sizes = d["mixing"], p["goals"]["stream_vs_resident"], ("64KiB", "1KiB")
+    rates, dist = [d[f"rates_{k}"]["methods"] for k in sizes], mix["distinct_classes_per_batch"]
+    rows = [[n, *(f"{r[n]['vs_in_order']:.2f}x" for r in rates)]
+            for n in ("bounded_shuffle_512", "global_shuffle")]  # fmt: skip
+    rows.append(["global shuffle, `safe_reads` (a lease) vs NumPy's copy",
+                 *(x(d["achieved"][f"safe_vs_plain_reads_{k}"]) for k in sizes)])  # fmt: skip
+    safe_met = all(d["goals_met"][f"safe_vs_plain_reads_{k}"] for k in sizes)
     return "\n\n".join([
         para(f"**Data** (`benchmarks/stream.py`, {date('stream')}; {d['samples']:,} samples in a "
              f"`.npy`, batch {d['batch']}, every batch copied out of the file), rates against "
@@ -308,16 +310,14 @@ def data() -> str:
              f"NumPy's copy from the mapping (the goal): {goal(safe_met)}; "
              # rounded down, as the goal compares: 4.9999 is not 5.0
              f"{math.floor(10 * d['achieved']['shuffled_vs_grain']) / 10:.1f}x grain's fastest "
-             "shuffled setting (the "
-             f"goal of {d['goals']['shuffled_vs_grain']}x: "
-             f"{goal(d['goals_met']['shuffled_vs_grain'])}); "
-             f"on {mix['samples']:,} samples sorted into {mix['classes']} classes a buffer of "
-             f"{mix['buffer']:,} gives {dist['bounded_shuffle_1000']:.2f} distinct classes per "
-             f"batch of {mix['batch']} (a full shuffle {dist['full_random']:.2f}, a sliding "
-             f"buffer {dist['sliding_sample_buffer_1000']:.2f}); a step fed by `prefetch()` ran "
-             f"at {prefetch['ratio']:.2f}x the updates per second of the same step on batches "
-             "already on the device (`benchmarks/speed.py --only stream/`, `speed_stream.json`, "
-             f"{date('speed_stream')}), on the CPU, where the reading thread and the step share "
+             f"shuffled setting ({goal_of(d, 'shuffled_vs_grain')}); on {mix['samples']:,} "
+             f"samples sorted into {mix['classes']} classes a buffer of {mix['buffer']:,} gives "
+             f"{dist['bounded_shuffle_1000']:.2f} distinct classes per batch of {mix['batch']} (a "
+             f"full shuffle {dist['full_random']:.2f}, a sliding buffer "
+             f"{dist['sliding_sample_buffer_1000']:.2f}); a step fed by `prefetch()` ran at "
+             f"{prefetch['ratio']:.2f}x the updates per second of the same step on batches "
+             f"already on the device (`benchmarks/speed.py --only stream/`, "
+             f"{cite('speed_stream')}), on the CPU, where the reading thread and the step share "
              f"the 2 cores (the goal of {prefetch['goal'][3:]}x is for a GPU: "
              f"{goal(prefetch['met'] if p['mode'] == 'gpu' else None)})."),
     ])  # fmt: skip
@@ -375,11 +375,11 @@ def paper() -> str:
     times = result("paper")["step_time"]
     times = ", ".join(f"`{k}` {x(v['ratio'])}" for k, v in times.items() if "ratio" in v)
     return "\n\n".join([
-        *tables, para(f"`memory_grid.json`, {date('memory_grid')}; the paper's reduction of its "
-                      "combinations is 9.5x, 33.2x and 60.7x (WRN) and 8.7x (transformer)."),
+        *tables, para(f"{cite('memory_grid')}; the paper's reduction of its combinations is "
+                      "9.5x, 33.2x and 60.7x (WRN) and 8.7x (transformer)."),
         table(["goal", "reached", ""], [[a, b, goal(c)] for a, b, c in goals], 1),
         para("Step time against the paper's combination (WRN-16-1, batch 100, side by side, "
-             f"2 cores under load; `paper.json`, {date('paper')}): {times}."),
+             f"2 cores under load; {cite('paper')}): {times}."),
     ])  # fmt: skip
 
 
@@ -394,21 +394,20 @@ def quality() -> str:
         for config, seeds in result(name)["runs"].items():
             each = " and ".join(f"{pc(acc(s))}%" for s in seeds.values())
             mean = f"{pc(acc(*seeds.values()))}%" if len(seeds) > 1 else ""
-            rows.append([f"{label} (`{name}.json`, {date(name)})", config, each, mean])
+            rows.append([f"{label} ({cite(name)})", config, each, mean])
     gaps = [(n, acc(*result(n)["runs"]["baseline_fp32"].values())
              - acc(*result(n)["runs"]["combined"].values()))
             for n in ("paper_quality", "paper_quality_6epochs")]  # fmt: skip
     t, comb = result("paper_quality_timing")["steps"], d["runs"]["combined"]
-    wall = d["wall_seconds"]
+    c, wall = d["config"], d["wall_seconds"]
     return "\n\n".join([
         para(f"**The paper's accuracy comparison** (`benchmarks/quality.py`, "
-             f"`paper_quality.json` and `.png`): a WRN-{d['config']['depth']}-"
-             f"{d['config']['width']} on {d['config']['train']:,} Fashion-MNIST training images, "
-             f"batch {d['config']['batch']}, momentum SGD with a cosine decay from "
-             f"{d['config']['lr']} (chosen on held-out training images); FP32 dense against the "
-             "paper's combination (FP16 with a dynamic loss scale, checkpoint-residual-1, "
-             "micro-batches of 10, 30% of the 3x3 convolutions with DSR). Test accuracy per "
-             "seed:"),
+             f"`paper_quality.json` and `.png`): a WRN-{c['depth']}-{c['width']} on "
+             f"{c['train']:,} Fashion-MNIST training images, batch {c['batch']}, momentum SGD with "
+             f"a cosine decay from {c['lr']} (chosen on held-out training images); FP32 dense "
+             "against the paper's combination (FP16 with a dynamic loss scale, "
+             "checkpoint-residual-1, micro-batches of 10, 30% of the 3x3 convolutions with DSR). "
+             "Test accuracy per seed:"),
         table(["run", "configuration", "accuracy per seed", "mean"], rows, 2),
         para("The combination's gap to FP32 (the goal of at most 0.5 points): "
              + "; ".join(f"{pc(v)} points at `{n}.json` ({goal(v <= Decimal('0.5'))})"
@@ -416,8 +415,8 @@ def quality() -> str:
              + f". Skipped updates by the loss scale per run: "
              f"{', '.join(str(r['skipped_updates']) for r in comb.values())}. The script took "
              f"{wall:,.0f} s on {d['environment']['cpu_count']} cores (the goal of at most 30 "
-             f"minutes: {goal(wall <= 1800)}); `--timing-only` "
-             f"(`paper_quality_timing.json`, {date('paper_quality_timing')}): FP32 "
+             f"minutes: {goal(wall <= 1800)}); `--timing-only` ({cite('paper_quality_timing')}): "
+             "FP32 "
              f"{t['baseline_fp32']['step_s']:.2f} s per update, the combination "
              f"{t['combined_fp16']['step_s']:.2f} s in FP16 and {t['combined_bf16']['step_s']:.2f} "
              "s in bf16."),
@@ -435,9 +434,8 @@ def frontier() -> str:
              "" if r["step_s"] is None else f"{r['step_s']:.2f}",
              "yes" if r["config"] in front else ""]
             for r in sorted(d["rows"], key=lambda r: r["compiled_peak_bytes"])]  # fmt: skip
-    more = [[f"`{r['config']}` (`{n}.json`, {date(n)}, {r['trained']['updates']} updates)",
-             r["uses"], f"{100 * r['test_accuracy']:.2f}%",
-             f"{100 * r['test_accuracy_spread']:.2f}"]
+    more = [[f"`{r['config']}` ({cite(n)}, {r['trained']['updates']} updates)", r["uses"],
+             f"{100 * r['test_accuracy']:.2f}%", f"{100 * r['test_accuracy_spread']:.2f}"]
             for n in ("frontier_long", "frontier_norm", "frontier_norm_sparse")
             for r in result(n)["rows"]]  # fmt: skip
     beaten = [g["combination"] for g in d["goal"] if g["dense_better_by_more_than_spread"]]
@@ -461,13 +459,11 @@ def frontier() -> str:
     ])  # fmt: skip
 
 
-SECTIONS: dict[str, Callable[[], str]] = {
-    "main-job-setup": main_job_setup, "short-example-time": short_example_time,
-    "main-job": main_job, "checkpoint": checkpoint, "shard": shard, "sparse": sparse,
-    "sparse-bits": sparse_bits, "sparse-quality": sparse_quality, "guide": guide,
-    "remat": remat, "accumulate": accumulate, "precision": precision, "data": data,
-    "paper": paper, "quality": quality, "frontier": frontier,
-}  # fmt: skip
+# A section's marker is its function's name, with hyphens.
+SECTIONS: dict[str, Callable[[], str]] = {f.__name__.replace("_", "-"): f for f in (
+    main_job_setup, short_example_time, main_job, checkpoint, shard, sparse, sparse_bits,
+    sparse_quality, guide, remat, accumulate, precision, data, paper, quality, frontier,
+)}  # fmt: skip
 
 
 def render(readme: str) -> tuple[str, list[str]]:

@@ -36,6 +36,7 @@ os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -53,7 +54,6 @@ from _common import (  # noqa: E402
     interleaved,
     median_ratio,
     spawn,
-    time_median,
     write_json,
 )
 from _steps import (  # noqa: E402
@@ -188,8 +188,9 @@ def _peak() -> int | None:
 
 
 def worker(payload: dict) -> None:
-    """Build each named configuration, then time them: one by one (each process's own peak,
-    `paired` False), or in alternating rounds (`paired`); one result line per name."""
+    """Build each named configuration, then time them in rounds that alternate their order
+    (ABBA); one result line per name. A process of one configuration (the GPU run's) records
+    its peak too."""
     sizes = {"name": payload["size"], **SIZES[payload["size"]]}
     timing, built, results = sizes["timing"], {}, {}
     for name in payload["names"]:
@@ -198,9 +199,6 @@ def worker(payload: dict) -> None:
             update, info = getattr(_steps, spec["kind"])(name, spec, sizes)
             if update is not None:  # None: timed by its builder
                 built[name] = update
-            if not payload["paired"] and update is not None:
-                info["step_s"] = time_median(update, **timing) / info.get("per_call", 1)
-                info["peak"] = _peak()
         except _steps.Unavailable as e:
             info = {"unavailable": str(e)}
         except Exception as e:  # recorded: one broken piece must not hide the rest
@@ -209,35 +207,32 @@ def worker(payload: dict) -> None:
                 "traceback": traceback.format_exc()[-3000:],
             }
         results[name] = {**info, "wall_s": time.perf_counter() - t0, "pid": os.getpid()}
-    if payload["paired"] and built:
-        for update in built.values():
-            for _ in range(timing["burn_in"]):
-                update()
+    for update in built.values():
+        for _ in range(timing["burn_in"]):
+            update()
 
-        def record(wall: dict, names: list[str]) -> None:
-            for name in names:
-                per_call = results[name].get("per_call", 1)
-                results[name]["rounds"] = "main" if name in fast else "own"
-                results[name]["step_s_all"] = [t / per_call for t in wall[name]]
-                results[name]["step_s"] = sorted(wall[name])[len(wall[name]) // 2] / per_call
-                base = BASELINES.get(name.split("/")[0])
-                if base in wall:  # the median of per-round ratios: drift cancels
-                    results[name]["time_vs_base"] = median_ratio(
-                        [t / per_call for t in wall[name]],
-                        [t / results[base].get("per_call", 1) for t in wall[base]],
-                    )
+    def record(wall: dict, names: list[str]) -> None:
+        per_call = {n: [t / results[n].get("per_call", 1) for t in wall[n]] for n in wall}
+        for name in names:
+            results[name] |= {"rounds": "main" if name in fast else "own",
+                              "step_s_all": per_call[name],
+                              "step_s": statistics.median(per_call[name])}  # fmt: skip
+            base = BASELINES.get(name.split("/")[0])
+            if base in wall:  # the median of per-round ratios: drift cancels
+                results[name]["time_vs_base"] = median_ratio(per_call[name], per_call[base])
 
-        # A slow configuration (seconds a call) in 2 rounds of its own with its baseline:
-        # in the others' rounds its calls would swamp their drift-cancelling pairing.
-        fast = [n for n in built if not CONFIGS[n].get("slow")]
-        record(interleaved({n: built[n] for n in fast}, max(timing["repeats"], 2)).wall, fast)
-        for name in (n for n in built if n not in fast):
-            pair = dict.fromkeys((BASELINES.get(name.split("/")[0]), name))
-            record(interleaved({n: built[n] for n in pair if n in built}, 2).wall, [name])
+    # A slow configuration (seconds a call) in 2 rounds of its own with its baseline:
+    # in the others' rounds its calls would swamp their drift-cancelling pairing.
+    fast = [n for n in built if not CONFIGS[n].get("slow") or len(built) == 1]
+    record(interleaved({n: built[n] for n in fast}, max(timing["repeats"], 2)), fast)
+    for name in (n for n in built if n not in fast):
+        pair = dict.fromkeys((BASELINES.get(name.split("/")[0]), name))
+        record(interleaved({n: built[n] for n in pair if n in built}, 2), [name])
+    peak = _peak() if len(payload["names"]) == 1 else None  # a process of its own: its peak
     for name, r in results.items():
         if "step_s" in r:
             r["updates_per_s"] = 1.0 / r["step_s"]
-        r.setdefault("peak", None)
+        r["peak"] = peak if name in built else None
         print(MARKER + json.dumps({"name": name, "result": r}), flush=True)
 
 
@@ -312,10 +307,9 @@ def check_consistency(results: dict) -> dict:
     return out
 
 
-def _run(names: list[str], size: str, paired: bool, timeout: float) -> dict:
+def _run(names: list[str], size: str, timeout: float) -> dict:
     """One worker process for `names`; a configuration it did not report is an error."""
-    payload = {"size": size, "names": names, "paired": paired}
-    lines, proc = spawn(__file__, payload, timeout=timeout)
+    lines, proc = spawn(__file__, {"size": size, "names": names}, timeout=timeout)
     results = {line["name"]: line["result"] for line in lines}
     why = "timed out" if proc is None else f"exit code {proc.returncode}"
     tail = "" if proc is None else proc.stderr[-3000:]
@@ -326,7 +320,7 @@ def run_all(names: list[str], device: str, smoke: bool, budget: float) -> dict:
     """GPU: each configuration in a process of its own (its peak), within `budget`. CPU: the
     configurations sharing a baseline in one process, timed side by side. Smoke: one."""
     if smoke:
-        return _run(names, "smoke", True, 900)
+        return _run(names, "smoke", 900)
     if device == "cpu":
         groups: dict[str, list[str]] = {}
         for n in names:
@@ -334,13 +328,13 @@ def run_all(names: list[str], device: str, smoke: bool, budget: float) -> dict:
             groups.setdefault(base, [base] if base in CONFIGS else []).append(n)
         results = {}
         for group in groups.values():
-            results |= _run(list(dict.fromkeys(group)), "cpu", True, 3600)
+            results |= _run(list(dict.fromkeys(group)), "cpu", 3600)
         return {n: results[n] for n in names}
     results, start = {}, time.perf_counter()
     for n in names:
         left = budget - (time.perf_counter() - start)
         skipped = {n: {"skipped": f"the time budget of {budget:.0f} s was spent"}}
-        results |= _run([n], "gpu", False, min(left, WORKER_TIMEOUT_S)) if left > 10 else skipped
+        results |= _run([n], "gpu", min(left, WORKER_TIMEOUT_S)) if left > 10 else skipped
         print(f"  {n:<36} {json.dumps(results[n])[:150]}", flush=True)
     return results
 

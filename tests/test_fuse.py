@@ -176,7 +176,7 @@ def test_a_remainder_micro_batch_is_fused_too():
                                           (22, "checkpoint-residual-2")])  # fmt: skip
 def test_a_sparse_wide_resnet_with_batchnorm_trains_the_same(depth, remat):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from quality import wrn_loss
+    from _steps import wrn_loss
 
     model, bn = eqx.nn.make_with_state(el.nn.WideResNet)(
         depth, 1, 10, key=jr.PRNGKey(0), in_channels=1, remat=remat
