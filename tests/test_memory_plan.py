@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import eqx_lowmem as el
+from eqx_lowmem.memory import _search
 
 BATCH = 8
 
@@ -105,15 +106,21 @@ def test_planning_for_an_accelerator_prefers_16_bit_compute(planned):
 
 
 @pytest.mark.parametrize("between", [0.0, 0.5, 1.0])
-def test_pruning_compiles_less_for_the_same_choice(planned, between):
+def test_pruning_compiles_less_for_the_same_choice(planned, between, monkeypatch):
     # A budget from the smallest peak to the largest: the pruned plan picks what the full
-    # one picks, compiling the candidates ranked up to its choice and no other.
+    # one picks, compiling the candidates ranked up to its choice and no other, and tracing
+    # (for the estimated time) the first of each of the 4 groups that differ only in
+    # accumulate, then one more of a group only after compiling the one before.
     peaks = sorted(c.peak_bytes for c in planned.candidates)
     budget = int(peaks[0] + between * (peaks[-1] - peaks[0]))
     full = planned.within(budget)
     args = (make_model, el.train.mse, optax.adam(1e-3), _batch())
     space = dict(remats=(False, True), accumulates=(1, 2, 3), precisions=("float32", "mixed_bf16"))
+    traced = []
+    cost = _search.Compiler.cost
+    monkeypatch.setattr(_search.Compiler, "cost", lambda *a: traced.append(a[2]) or cost(*a))
     pruned = el.memory.plan(*args, budget=budget, **space)
+    assert len(traced) <= 4 + len(pruned.candidates)
     assert pruned.best.label == full.best.label
     assert pruned.best.peak_bytes == full.best.peak_bytes
     assert len(pruned.candidates) + len(pruned.pruned) == len(planned.candidates)

@@ -120,11 +120,12 @@ def plan(
     Monotone: a smaller budget never returns a candidate with a larger peak (the fitting
     set only shrinks, and the ranking is a fixed total order).
 
-    Memory and time: nothing is allocated (with `measure=False`); a trace of every candidate
-    and one compilation of each that can decide the answer (`prune`; on XLA:CPU a 16-bit
-    candidate also needs its float32-compute twin for the GPU/TPU estimate): the guide's
-    transformer for an A100 took 48 s on two CPU cores (`benchmarks/results/memory.json`), compiling
-    every one of its 32 candidates a few minutes; `progress` hears of each compile.
+    Memory and time: nothing is allocated (with `measure=False`); a trace of each candidate
+    that could be next and one compilation of each that can decide the answer (`prune`;
+    on XLA:CPU a 16-bit candidate also needs its float32-compute twin for the GPU/TPU
+    estimate): the guide's transformer for an A100 took 48 s on two CPU cores
+    (`benchmarks/results/memory.json`), compiling every one of its 32 candidates a few
+    minutes; `progress` hears of each compile.
     `measure=True` builds each fitting model and runs `steps + 1` steps of it.
 
     Args:
@@ -168,10 +169,12 @@ def plan(
             them), e.g. `progress=print`.
         prune: compile only what can decide the answer (the same answer as `prune=False`):
             no candidate whose state and batch alone exceed the budget, and none ranked
-            below the first that fits (each is traced for its estimated time first, a
-            fraction of a compile). `Plan.pruned` lists the rest; `Plan.within` then
-            answers only for budgets the pruned ones cannot change. `prune=False` compiles
-            every candidate (a table of them all; `within` for any budget).
+            below the first that fits (each that could be next is traced for its
+            estimated time first, a fraction of a compile: of the candidates that differ
+            only in `accumulate`, one at a time from the fewest micro-batches).
+            `Plan.pruned` lists the rest; `Plan.within` then answers only for budgets the
+            pruned ones cannot change. `prune=False` compiles every candidate (a table of
+            them all; `within` for any budget).
         step_config: the step's other options in one `eqx_lowmem.train.StepConfig` (the
             value a `Trainer` and `memory_report` take), instead of `mesh`, `data_axis`
             and `loss_scale` (then left at their defaults): every candidate is that step

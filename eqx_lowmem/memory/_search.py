@@ -1,6 +1,8 @@
 """Which of a plan's candidates to compile, and compiling them."""
 
 import dataclasses
+import heapq
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,26 +79,24 @@ class Compiler:
     def _state(self, model: Any, step: Any) -> Any:
         return eqx.filter_eval_shape(lambda m: step.init(m, key=self.key), model)
 
-    def floor_and_cost(self, model: Any, spec: Spec, budget: int | None) -> tuple[int, Cost | None]:
-        """(a lower bound of the candidate's compiled peak: its state and batch on one device,
-        its arguments, held for the whole step; its arithmetic, `jaxpr_cost` of its traced
-        step, None where the bound exceeds `budget`), from shapes alone: no compile. With
-        `budget=None` the bound is not computed (0)."""
+    def floor(self, model: Any, spec: Spec) -> int:
+        """A lower bound of the candidate's compiled peak, from shapes alone: its state and
+        batch on one device, its arguments, held for the whole step."""
         step = self.step(spec.accumulate, spec.policy, spec.shard)
         state = self._state(model, step)
-        floor = 0
-        if budget is not None:
-            shardings = None if self.config.mesh is None else step.state_shardings(state)
-            local = sum(
-                int(np.prod(x.shape if s is None else s.shard_shape(x.shape))) * x.dtype.itemsize
-                for x, s in _pairs(state, shardings)
-            )
-            mesh = self.config.mesh
-            devices = 1 if mesh is None else int(mesh.shape.get(self.config.data_axis, 1))
-            floor = int(local + tree_bytes(self.structs) // devices)
-            if floor > budget:
-                return floor, None
-        return floor, jaxpr_cost(step.trace(state, self.structs).jaxpr)
+        shardings = None if self.config.mesh is None else step.state_shardings(state)
+        local = sum(
+            int(np.prod(x.shape if s is None else s.shard_shape(x.shape))) * x.dtype.itemsize
+            for x, s in _pairs(state, shardings)
+        )
+        mesh = self.config.mesh
+        devices = 1 if mesh is None else int(mesh.shape.get(self.config.data_axis, 1))
+        return int(local + tree_bytes(self.structs) // devices)
+
+    def cost(self, model: Any, spec: Spec) -> Cost:
+        """The candidate's arithmetic: `jaxpr_cost` of its traced step (no compile)."""
+        step = self.step(spec.accumulate, spec.policy, spec.shard)
+        return jaxpr_cost(step.trace(self._state(model, step), self.structs).jaxpr)
 
     def report(self, where: tuple, model: Any, accumulate: int, policy: Policy, shard: str):
         index = (*where, accumulate, policy, shard)
@@ -185,32 +185,53 @@ class Search:
 
         Each candidate's arguments (state and batch, per device) are held for the whole
         step: one whose arguments alone exceed the budget cannot fit (a compiled peak is
-        never below them). The others are traced (a fraction of a compile) for their
-        estimated time and compiled fastest first until one fits: the rest rank below it
-        (with `measure`, every one left is compiled and timed).
+        never below them). The others are compiled in the order of their estimated time
+        (their traced arithmetic: a fraction of a compile) until one fits: the rest rank
+        below it (with `measure`, every one left is compiled and timed).
+
+        Only what can be next is traced. More micro-batches do the same arithmetic plus
+        the accumulation's work per micro-batch, so a candidate is never estimated faster
+        than the same one with fewer (and ranks after it on a tie): each group of
+        candidates that differ only in `accumulate` is traced one at a time, from the
+        fewest micro-batches, its next traced once the one before has been compiled.
         """
-        pruned, ranked = [], []
+        pruned: list[str] = []
+        groups: dict[tuple, list[Spec]] = {}
         for spec in specs:
             # (The bound holds for the compiled peak, not for the GPU/TPU estimate.)
-            budget = self.budget if self.peak == "compiled" else None
-            floor, cost = self.compiler.floor_and_cost(self.model_of(spec), spec, budget)
-            if cost is None:
-                pruned.append(f"{spec.label}: its state and batch alone take "
-                              f"{format_bytes(floor)}, over the budget")  # fmt: skip
-                continue
+            if self.peak == "compiled":
+                floor = self.compiler.floor(self.model_of(spec), spec)
+                if floor > self.budget:
+                    pruned.append(f"{spec.label}: its state and batch alone take "
+                                  f"{format_bytes(floor)}, over the budget")  # fmt: skip
+                    continue
+            key = (spec.index, spec.density, spec.policy, spec.shard)
+            groups.setdefault(key, []).append(spec)
+        queue: list[tuple[tuple, int, list[Spec]]] = []  # (rank, arrival, the group's rest)
+        arrival = itertools.count()  # equal ranks: the order the specs came in
+
+        def push(rest: list[Spec]) -> None:
+            spec = rest[0]
+            cost = self.compiler.cost(self.model_of(spec), spec)
             order = rank_key(spec.density, relative_time(cost, rate), spec.accumulate,
                              spec.shard, cost.flops)  # fmt: skip
-            ranked.append((order, spec))
-        ranked.sort(key=lambda pair: pair[0])
-        self.total = len(ranked)
+            heapq.heappush(queue, (order, next(arrival), rest))
+
+        for group in groups.values():
+            push(sorted(group, key=lambda spec: spec.accumulate))
+        self.total = sum(len(group) for group in groups.values())
         candidates, found = [], None  # found: the rank of the first that fits
-        for order, spec in ranked:
+        while queue:
+            order, _, (spec, *rest) = heapq.heappop(queue)
             if found is not None and not self.measure and order != found:
-                pruned.append(f"{spec.label}: estimated slower than the plan's choice")
+                pruned.extend(f"{s.label}: estimated slower than the plan's choice"
+                              for s in (spec, *rest))  # fmt: skip
                 continue
             candidates.append(self.judge(spec))
             if candidates[-1].fits and found is None:
                 found = order
+            if rest:
+                push(rest)
         return candidates, pruned
 
 
