@@ -431,6 +431,9 @@ class _ThreadsSeen(el.train.Hook):
     def __init__(self):
         self.seen = []
 
+    def due(self, update):  # each update read before the next starts, not in a batch later
+        return True
+
     def on_update(self, info):
         self.seen.append(bool(_prefetch_threads()))
 

@@ -215,3 +215,37 @@ def test_the_readmes_hook_example_logs_and_stops_early(capsys):
     assert trainer.updates == 2 * epochs  # 256 samples, updates of 4 x 32
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("update ")]
     assert [int(ln.split()[1].rstrip(":")) for ln in lines] == list(range(10, 2 * epochs + 1, 10))
+
+
+class _Lead(el.train.Hook):
+    """Records, for each update it hears of, how many updates were dispatched by then."""
+
+    def __init__(self, every: bool):
+        self.every, self.trainer, self.heard = every, None, []
+
+    def due(self, update):
+        return self.every
+
+    def on_update(self, info):
+        self.heard.append((info.update, self.trainer.updates, info.metrics["loss"]))
+
+
+def test_on_the_cpu_backend_metrics_are_read_four_updates_late_in_one_wait():
+    # Each wait for a running step takes host CPU from the step's threads: on the CPU
+    # backend the Trainer reads the metrics of up to 4 updates after one wait, while the
+    # newest runs. A hook that is `due` every update still hears each one before the next.
+    # Either way: every update once, in order, with the same losses.
+    X, y = _data()
+    runs = {}
+    for every in (False, True):
+        hook = _Lead(every)
+        trainer = el.train.Trainer(el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0)), el.train.mse,
+                                   optax.sgd(0.05), hooks=[hook], progress=False)  # fmt: skip
+        hook.trainer = trainer
+        trainer.fit(X, y, epochs=2, micro_batch=4, key=jr.PRNGKey(1))  # 16 updates an epoch
+        runs[every] = hook.heard
+    late = [dispatched - update for update, dispatched, _ in runs[False]]
+    assert max(late) == 4 and late[0] == 4
+    assert all(d == u for u, d, _ in runs[True])
+    assert [(u, v) for u, _, v in runs[False]] == [(u, v) for u, _, v in runs[True]]
+    assert [u for u, _, _ in runs[False]] == list(range(1, 33))
