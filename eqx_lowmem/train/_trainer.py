@@ -59,11 +59,8 @@ from ._signals import Interrupts
 from ._state import TrainState, copy_arrays
 from ._tensorboard import TensorBoard
 
-# On the CPU backend the metrics are read every `_HOST_LAG` updates, all but the newest
-# at once: up to that many more updates (and their batches) are in flight, and the host's
-# waits, which take CPU from the step's threads, are fewer (the MLP benchmark's update:
-# 0.29 ms of host CPU with one in flight, 0.17 ms with 4; wall clock +2% and +0% against
-# a loop that never reads them).
+# On the CPU backend a wait for a running step takes CPU from its threads: there the
+# metrics are read every `_HOST_LAG` updates, after one wait (more updates in flight).
 _HOST_LAG = 4
 
 
@@ -493,17 +490,6 @@ class Trainer:
         pending: list[tuple[Any, int]] = []  # (metrics, update) dispatched, not read yet
         copy_ahead = not on_host(self.mesh)  # on the CPU backend already in host memory
         lag = 1 if copy_ahead else _HOST_LAG
-
-        def finish(count: int, last: bool = False) -> None:
-            """Read the oldest `count` pending updates' metrics, waiting once (for the
-            newest of them): each wait for a step still running costs the host a quarter
-            of a millisecond of CPU, which on the CPU backend the step's threads lack."""
-            if count:
-                jax.block_until_ready(pending[count - 1][0])
-            for _ in range(count):
-                metrics, update = pending.pop(0)
-                self._finish(run, hooks, checkpoints, metrics, update, epoch, last and not pending)
-
         served = False
         try:
             for micro in groups(batches, self.accumulate):
@@ -515,17 +501,17 @@ class Trainer:
                     jax.tree.map(lambda v: v.copy_to_host_async(), metrics)
                 pending.append((metrics, run.updates))
                 if len(pending) > lag:  # all but this update's, while it runs
-                    finish(len(pending) - 1)
+                    self._finish(run, hooks, checkpoints, pending, epoch, keep=1)
                 ended = stream.epoch != epoch
                 if not overlap or ended or run.done() or any(h.due(run.updates) for h in hooks):
-                    finish(len(pending), last=ended)
+                    self._finish(run, hooks, checkpoints, pending, epoch, last=ended)
                     if ended:
                         self._close_epoch(run, hooks, epoch)
                     if run.done():
                         return
-            finish(len(pending))
+            self._finish(run, hooks, checkpoints, pending, epoch)
         except BadBatch as bad:
-            finish(len(pending))  # keep the state and the history in step
+            self._finish(run, hooks, checkpoints, pending, epoch)  # state and history in step
             raise bad_batch_error(bad, self.accumulate, run.sums.updates + 1, epoch) from bad.error
         finally:
             batches.close()  # stops the prefetch thread on every exit path
@@ -535,27 +521,33 @@ class Trainer:
             self._close_epoch(run, hooks, epoch)
 
     def _finish(self, run: RunState, hooks: list[Hook], checkpoints: Checkpoints | None,
-                metrics: dict, update: int, epoch: int, last: bool = False) -> None:  # fmt: skip
-        """Wait for update `update`'s metrics; stop on a non-finite loss; add it to the
-        epoch's sums; tell the hooks."""
-        # Through NumPy: float() of a jax.Array costs 5x as much (0.3 ms an update for 5).
-        values = {k: float(np.asarray(v)) for k, v in metrics.items()}
-        sums = run.sums
-        if values["finite"] and values.get("params_finite", 1.0):
-            run.skips = 0
-        else:
-            where = f"update {sums.updates + 1} of epoch {epoch + 1}"
-            saved = None if checkpoints is None else checkpoints.saved_update
-            limit, directory = self.max_consecutive_skips, self.checkpoint_dir
-            run.skips = skip_or_stop(
-                values, run.skips, where, update, self.step_fn, limit, directory, saved
-            )
-        if math.isfinite(values["loss"]):
-            sums.sum += values["loss"] * values["weight"]
-            sums.weight += values["weight"]
-        sums.updates += 1
-        info = self._info(run, update, epoch, sums.updates, values, last)
-        call_hooks(hooks, "on_update", info, run.history)
+                pending: list, epoch: int, keep: int = 0, last: bool = False) -> None:  # fmt: skip
+        """For each `(metrics, update)` of `pending` but the newest `keep`, after one wait
+        (for the newest of them): stop on a non-finite loss; add it to the epoch's sums;
+        tell the hooks (`last`: the last of them ends the epoch)."""
+        count = max(len(pending) - keep, 0)
+        if count:
+            jax.block_until_ready(pending[count - 1][0])
+        for _ in range(count):
+            metrics, update = pending.pop(0)
+            # Through NumPy: float() of a jax.Array costs 5x as much (0.3 ms an update for 5).
+            values = {k: float(np.asarray(v)) for k, v in metrics.items()}
+            sums = run.sums
+            if values["finite"] and values.get("params_finite", 1.0):
+                run.skips = 0
+            else:
+                where = f"update {sums.updates + 1} of epoch {epoch + 1}"
+                saved = None if checkpoints is None else checkpoints.saved_update
+                limit, directory = self.max_consecutive_skips, self.checkpoint_dir
+                run.skips = skip_or_stop(
+                    values, run.skips, where, update, self.step_fn, limit, directory, saved
+                )
+            if math.isfinite(values["loss"]):
+                sums.sum += values["loss"] * values["weight"]
+                sums.weight += values["weight"]
+            sums.updates += 1
+            info = self._info(run, update, epoch, sums.updates, values, last and not pending)
+            call_hooks(hooks, "on_update", info, run.history)
 
     def _close_epoch(self, run: RunState, hooks: list[Hook], epoch: int) -> None:
         """Record epoch `epoch`'s mean loss, start the next one's sums, tell the hooks."""
