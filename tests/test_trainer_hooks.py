@@ -249,3 +249,25 @@ def test_on_the_cpu_backend_metrics_are_read_four_updates_late_in_one_wait():
     assert all(d == u for u, d, _ in runs[True])
     assert [(u, v) for u, _, v in runs[False]] == [(u, v) for u, _, v in runs[True]]
     assert [u for u, _, _ in runs[False]] == list(range(1, 33))
+
+
+def test_two_tensorboard_writers_in_one_second_keep_both_runs(tmp_path):
+    # tensorboardX names an events file by the second it was opened: a run resumed within
+    # that second used to reopen (and truncate) the first run's file.
+    accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator",
+        reason="tensorboard is not installed (.[test])",
+    )
+    from eqx_lowmem.train._tensorboard import ScalarWriter
+
+    first = ScalarWriter(tmp_path)
+    for step in (1, 2):
+        first.scalars(step, {"train/loss": float(step)})
+    first.close()
+    second = ScalarWriter(tmp_path, resumed_at=2)
+    second.scalars(3, {"train/loss": 3.0})
+    second.close()
+    assert len(list(tmp_path.iterdir())) == 2
+    events = accumulator.EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1), (2, 2), (3, 3)]

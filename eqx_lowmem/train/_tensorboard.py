@@ -77,7 +77,12 @@ class ScalarWriter:
         if jax.process_index() != 0:
             return
         purge = None if resumed_at is None else resumed_at + 1
-        self._writer = _summary_writer()(str(self.log_dir), purge_step=purge)
+        # tensorboardX names a file by the second it opened it: two writers in one second
+        # (a run resumed at once) would write one file, the second truncating the first.
+        # A suffix of nanoseconds keeps them apart, in order.
+        suffix = f".{time.time_ns():020d}"
+        self._writer = _summary_writer()(str(self.log_dir), purge_step=purge,
+                                         filename_suffix=suffix)  # fmt: skip
 
     def scalars(self, step: int, values: dict[str, float | None]) -> None:
         """Write each value that is not None at `step`."""
