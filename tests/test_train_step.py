@@ -166,6 +166,25 @@ def test_nonfinite_update_is_skipped_and_state_unchanged(getkey):
         assert all(same) if skip else not any(same)
 
 
+def test_each_update_draws_new_numbers_and_a_step_that_draws_none_derives_no_key(getkey):
+    model, x = el.nn.mlp([2, 4, 1], key=getkey()), jr.normal(getkey(), (4, 2))
+    y = jnp.zeros((4, 1))
+
+    def noisy(model, x, y, *, key=None):  # the loss draws from its key
+        return el.train.mse(model, x, y) + jr.normal(key, (x.shape[0],))
+
+    for loss, draws in ((noisy, True), (el.train.mse, False)):  # mse: a key, no dropout
+        step = el.train.make_step(loss, optax.sgd(0.0))
+        state = step.init(model, key=getkey())
+        key = np.asarray(jr.key_data(state.key))
+        text = step.lower(state, (x, y)).compile().as_text()
+        assert ("threefry" in text) is draws  # the derivation is compiled only when used
+        state, first = step(state, (x, y))
+        state, second = step(state, (x, y))  # same model (rate 0), same batch
+        assert np.array_equal(jr.key_data(state.key), key)  # the state's key is kept
+        assert (float(first["loss"]) != float(second["loss"])) is draws
+
+
 def test_skip_nonfinite_is_refused_off_with_a_loss_scale_and_of_the_wrong_type():
     with pytest.raises(ValueError, match="skip_nonfinite=False with a loss scale"):
         el.train.make_step(el.train.mse, optax.sgd(0.1), precision="mixed_fp16",

@@ -24,7 +24,9 @@ class TrainState(eqx.Module):
             schedules count real updates).
         model: the model, parameters in the policy's `param_dtype`.
         opt_state: the optimizer's state.
-        key: PRNG key; split on every call for dropout and stochastic rounding.
+        key: PRNG key, kept: each update draws (dropout, stochastic rounding, a hook)
+            from `jax.random.fold_in(key, step)`, so an update that was skipped (a
+            non-finite gradient) draws the same numbers again for the next batch.
         model_state: `eqx.nn.State` of stateful layers (BatchNorm), or None.
         loss_scale: the `DynamicLossScale`, or None.
         hook_state: what the `after_update` hook keeps between steps (DSR's threshold:
