@@ -16,7 +16,6 @@ import jax.random as jr
 import numpy as np
 import optax
 from _common import compiled_memory, encoder
-from jax.sharding import Mesh
 
 import eqx_lowmem as el
 
@@ -226,10 +225,6 @@ def step_cases(scale: int = 1) -> dict:
     }  # fmt: skip
 
 
-class Unavailable(Exception):
-    """A configuration this checkout or backend cannot run (cuDNN on a CPU, say)."""
-
-
 # ------------------------------------------------------------------------------ runners
 
 
@@ -276,13 +271,13 @@ def _step_runner(step, state, batch, host: bool = False):
     return update, {**info, "skipped_updates": skipped, **check}
 
 
-def _report(shapes, optimizer, batch, accumulate, precision) -> dict:
+def _report(shapes, optimizer, batch, accumulate) -> dict:
     """The memory report's prediction (compile only), to compare with the measured peak;
     on a GPU also the same step compiled for its kind as a compile-only target."""
 
     structs = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in batch)
     args = (shapes, el.train.mse, optimizer, structs)
-    report = el.memory.memory_report(*args, accumulate=accumulate, precision=precision)
+    report = el.memory.memory_report(*args, accumulate=accumulate)
     trusted = report.trusted.get(jax.default_backend(), "peak_bytes")
     trusted = "peak_bytes" if trusted == "measured_peak_bytes" else trusted
     parts = {k: int(v) for k, v in report.parts.items()}
@@ -293,37 +288,25 @@ def _report(shapes, optimizer, batch, accumulate, precision) -> dict:
         kind = jax.devices()[0].device_kind
         target = next((t for k, t in _KINDS.items() if k in kind), None)
         if target is not None:
-            gpu = el.memory.memory_report(*args, accumulate=accumulate, precision=precision,
-                                          target=target)  # fmt: skip
+            gpu = el.memory.memory_report(*args, accumulate=accumulate, target=target)
             out["compile_only_peak_bytes"] = int(gpu.peak_bytes)
     return out
 
 
 def transformer(name: str, spec: dict, sizes: dict):
-    """The guide's encoder trained by `make_step`: remat, precision, accumulation, attention."""
+    """The guide's encoder trained by `make_step` (SGD, float32): a remat preset, micro-batches."""
 
-    cfg = sizes["transformer"]
-    remat, attention = spec.get("remat", "none"), spec.get("attention", "auto")
-    precision, accumulate = spec.get("precision"), spec.get("accumulate", 1)
-    if remat not in el.nn.PRESETS:
-        raise Unavailable(f"remat={remat!r} is not in eqx_lowmem.nn.PRESETS")
-    compute = el.precision.get_policy(precision).compute_dtype
-    head_dim = cfg["d_model"] // cfg["n_heads"]
-    used = el.nn.resolve_attention(attention if attention != "cudnn" else "auto", compute,
-                                   head_dim=head_dim)  # fmt: skip
-    if attention == "cudnn" and used != "cudnn":
-        raise Unavailable(f"cuDNN attention cannot run here (backend {jax.default_backend()}, "
-                          f"{jnp.dtype(compute).name}, head_dim {head_dim})")  # fmt: skip
+    cfg, remat = sizes["transformer"], spec.get("remat", "none")
+    accumulate = spec.get("accumulate", 1)
     optimizer = optax.sgd(0.01)
-    step = el.train.make_step(el.train.mse, optimizer, accumulate=accumulate, precision=precision)
+    step = el.train.make_step(el.train.mse, optimizer, accumulate=accumulate)
     model_key, data_key = jr.split(jr.PRNGKey(0))
-    state = step.init(encoder(cfg, model_key, remat, attention=attention), key=jr.PRNGKey(1))
+    state = step.init(encoder(cfg, model_key, remat), key=jr.PRNGKey(1))
     batch = _batch(cfg, data_key)
     update, info = _step_runner(step, state, batch, spec.get("host", False))
-    info |= {"attention": used, "compute_dtype": jnp.dtype(compute).name}
     if spec.get("report") and (sizes["name"] != "smoke" or name in SMOKE_REPORTS):
-        shapes = eqx.filter_eval_shape(encoder, cfg, model_key, remat, attention=attention)
-        info["report"] = _report(shapes, optimizer, batch, accumulate, precision)
+        shapes = eqx.filter_eval_shape(encoder, cfg, model_key, remat)
+        info["report"] = _report(shapes, optimizer, batch, accumulate)
     return update, info
 
 
@@ -372,17 +355,6 @@ def stream(name: str, spec: dict, sizes: dict):
 
     update()  # compiles
     return update, {"per_call": n // b, "samples": n, "order": spec.get("trainer", spec["source"])}
-
-
-def fsdp(name: str, spec: dict, sizes: dict):
-    """The guide's encoder, Adam, full remat: replicated or FSDP over every local device."""
-
-    cfg, mesh = sizes["transformer"], Mesh(np.array(jax.devices()), ("data",))
-    step = el.train.make_step(el.train.mse, optax.adam(1e-3), mesh=mesh, shard=spec["shard"])
-    model_key, data_key = jr.split(jr.PRNGKey(0))
-    state = step.init(encoder(cfg, model_key, "full"), key=jr.PRNGKey(1))
-    update, info = _step_runner(step, state, _batch(cfg, data_key), host=True)
-    return update, {**info, "devices": jax.device_count()}
 
 
 def sparse(name: str, spec: dict, sizes: dict):

@@ -12,16 +12,11 @@ SIGKILL at random moments of an orbax run (during asynchronous saves too).
    about one asynchronous write), then run again to the end; its final parameters,
    optimizer state, key and history must be bit-identical to a run never killed. A kill
    that left orbax's temporary step directory behind landed during an asynchronous save.
-3. Soak (`--soak`, minutes; not part of CI): 10,000 updates of a Trainer over a prefetched,
-   memory-mapped stream with a checkpoint every 500: the resident memory (RSS) at the start
-   of every epoch after the first stays within 5 MiB; no prefetch thread is alive after
-   `fit` returns or raises; the last checkpoint loads and is at the last update.
 
-    python benchmarks/checkpoint.py [--kills 10]   # 1 and 2: results/checkpoint.json
-    python benchmarks/checkpoint.py --soak [--updates 10000]  # 3: results/soak.json
+    python benchmarks/checkpoint.py [--kills 10]   # results/checkpoint.json
 
 Exits 1 if a goal (the stall at most 0.2x the synchronous save for the 100 MB state, every
-resume bit-identical, the soak's checks) fails.
+resume bit-identical) fails.
 """
 
 import argparse
@@ -40,8 +35,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import MARKER, spawn, write_json  # noqa: E402
 
 UPDATES = 12  # the SIGKILL run's
-SAMPLES, FEATURES, MICRO_BATCH = 2000, 16, 20  # the soak's: 100 updates an epoch
-LIMIT_MIB = 5.0
 
 
 def _timed(fn) -> float:
@@ -93,35 +86,30 @@ def measure_stall(width: int, depth: int, repeats: int = 5) -> dict:
     return out
 
 
-def trainer(model, directory, callback=None, **options):
-    """A Trainer (MSE, Adam) checkpointing into `directory`, no progress bar."""
-    import optax
-
-    import eqx_lowmem as el
-
-    return el.train.Trainer(model, el.train.mse, optax.adam(1e-3), checkpoint_dir=directory,
-                            progress=False, callback=callback, **options)  # fmt: skip
-
-
 # --------------------------------------------------------------------------- SIGKILL
 
 
 def worker(spec: dict) -> None:
-    """Train in `spec["dir"]`; kill this process `spec["delay"]` s after update
-    `spec["update"]` (when given); at the end write the final arrays and history."""
+    """Train (MSE, Adam, orbax checkpoints) in `spec["dir"]`; kill this process
+    `spec["delay"]` s after update `spec["update"]` (when given); at the end write the final
+    arrays and history."""
     import equinox as eqx
     import jax
     import jax.random as jr
     import numpy as np
+    import optax
+
+    import eqx_lowmem as el
 
     def kill_later(trainer, info):
         if info["updates"] == spec.get("update"):
             kill = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
             threading.Timer(spec["delay"], kill).start()
 
-    t = trainer(eqx.nn.MLP(1024, 8, 1024, 3, key=jr.PRNGKey(0)), spec["dir"], kill_later,
-                accumulate=2, checkpoint_format="orbax", checkpoint_every=1,
-                keep_checkpoints=2)  # fmt: skip
+    t = el.train.Trainer(eqx.nn.MLP(1024, 8, 1024, 3, key=jr.PRNGKey(0)), el.train.mse,
+                         optax.adam(1e-3), checkpoint_dir=spec["dir"], progress=False,
+                         callback=kill_later, accumulate=2, checkpoint_format="orbax",
+                         checkpoint_every=1, keep_checkpoints=2)  # fmt: skip
     rng = np.random.default_rng(0)
     x, y = (rng.standard_normal((48, n)).astype(np.float32) for n in (1024, 8))
     history = t.fit(x, y, updates=UPDATES, micro_batch=4, key=jr.PRNGKey(1))
@@ -178,102 +166,16 @@ def sigkill(kills: int, seed: int) -> dict:
             "runs": results}  # fmt: skip
 
 
-# ------------------------------------------------------------------------------ soak
-
-
-def soak(updates: int) -> dict:
-    """The soak run (3.): its figures and checks."""
-    import resource
-
-    import equinox as eqx
-    import jax.random as jr
-    import numpy as np
-
-    import eqx_lowmem as el
-
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def threads() -> int:
-        return sum(t.name == "eqx_lowmem.data.prefetch" and t.is_alive()
-                   for t in threading.enumerate())  # fmt: skip
-
-    def soak_trainer(directory, callback=None):
-        model = eqx.nn.MLP(FEATURES, 1, 32, 2, key=jr.PRNGKey(0))
-        return trainer(model, directory, callback, checkpoint_every=500)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal((SAMPLES, FEATURES)).astype(np.float32)
-        w = rng.standard_normal((FEATURES, 1)).astype(np.float32)
-        y = (np.tanh(x @ w) + 0.1 * rng.standard_normal((SAMPLES, 1))).astype(np.float32)
-        paths = [str(Path(tmp) / "x.npy"), str(Path(tmp) / "y.npy")]
-        np.save(paths[0], x)
-        np.save(paths[1], y)
-        stream = lambda: el.data.DataStream(tuple(paths), MICRO_BATCH, 256, key=0)  # noqa: E731
-        epoch_rss: dict[int, int] = {}
-        t = soak_trainer(f"{tmp}/run", lambda _, info: epoch_rss.setdefault(info["epoch"], rss()))
-        start = time.perf_counter()
-        losses = t.fit(stream=stream(), updates=updates, key=jr.PRNGKey(1))["train_loss"]
-        seconds, threads_after_return = time.perf_counter() - start, threads()
-        # The last checkpoint: checksums verified, at the last update.
-        like = t.step_fn.init(eqx.nn.MLP(FEATURES, 1, 32, 2, key=jr.PRNGKey(0)), key=jr.PRNGKey(0))
-        checkpoint_step = int(el.train.load_checkpoint(t.checkpoint_path, like)[0].step)
-
-        def fail(trainer, info):  # a run that raises midway
-            if info["updates"] >= 150:
-                raise RuntimeError("planted failure")
-
-        try:
-            soak_trainer(f"{tmp}/raises", fail).fit(
-                stream=stream(), updates=1000, key=jr.PRNGKey(1)
-            )
-            raised = False
-        except RuntimeError as e:
-            raised = "planted failure" in str(e)
-        threads_after_raise = threads()
-    epochs = sorted(epoch_rss)
-    later = [epoch_rss[e] for e in epochs[1:]] or [epoch_rss[epochs[0]]]
-    spread_mib = (max(later) - min(later)) / 2**20
-    return {
-        "what": "soak: updates over a prefetched memmap DataStream with checkpoints every 500",
-        "updates": updates, "updates_per_epoch": SAMPLES // MICRO_BATCH, "epochs": len(losses),
-        "seconds": round(seconds, 2), "updates_per_second": round(updates / seconds, 1),
-        "rss_mib_epoch_2": round(later[0] / 2**20, 2),
-        "rss_mib_growth_after_epoch_1": round((max(later) - later[0]) / 2**20, 3),
-        "rss_mib_spread_after_epoch_1": round(spread_mib, 3),
-        "rss_mib_by_epoch": {str(e): round(epoch_rss[e] / 2**20, 2) for e in epochs},
-        "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "train_loss_first_last": [round(losses[0], 5), round(losses[-1], 5)],
-        "threads_after_return": threads_after_return, "threads_after_raise": threads_after_raise,
-        "checkpoint_step": checkpoint_step,
-        "checks": {
-            "rss_flat_within_5_mib_after_epoch_1": spread_mib <= LIMIT_MIB,
-            "no_thread_after_fit_returns": threads_after_return == 0,
-            "no_thread_after_fit_raises": threads_after_raise == 0 and raised,
-            "checkpoint_at_last_update": checkpoint_step == updates,
-            "loss_finite_and_fell": bool(np.isfinite(losses).all()) and losses[-1] < losses[0],
-        },
-    }  # fmt: skip
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--soak", action="store_true", help="3.: the soak run, minutes")
-    parser.add_argument("--updates", type=int, default=10_000, help="the soak's updates")
     parser.add_argument("--out", type=Path, default=None, help="directory for the JSON")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         worker(json.loads(args.worker))
         return 0
-    if args.soak:
-        payload = soak(args.updates)
-        print(f"wrote {write_json('soak', payload, args.out)}: {payload['checks']}")
-        return 0 if all(payload["checks"].values()) else 1
     load_before = os.getloadavg()
     stall = {"100mb": measure_stall(1024, 7), "small": measure_stall(16, 2)}
     kills = sigkill(args.kills, args.seed)
