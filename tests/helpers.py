@@ -72,10 +72,11 @@ SUITE_ONLY_FLAG = "--xla_cpu_use_fusion_emitters=false"
 USERS_COMPILER = {"xla_cpu_use_fusion_emitters": True}
 
 
-def compile_as_users(lowered: Any) -> Any:
+def compile_as_users(lowered: Any, options: dict | None = None) -> Any:
     """`lowered.compile()` as a user's process compiles it (XLA's default flags), however
-    the suite's flags speed up its other compiles: for `memory_analysis()`."""
-    return lowered.compile(compiler_options=USERS_COMPILER)
+    the suite's flags speed up its other compiles: for `memory_analysis()`. `options`:
+    more compiler options (a compile-only target's)."""
+    return lowered.compile(compiler_options={**USERS_COMPILER, **(options or {})})
 
 
 def users_env(env=None) -> dict:

@@ -127,3 +127,36 @@ def test_map_chunks_reads_and_writes_rows_of_a_pytree(getkey):
     for f in (lambda x: x, jax.jit):
         assert tree_allclose(f(jax.value_and_grad(chunked))(x), jax.value_and_grad(whole)(x),
                              rtol=1e-6, atol=1e-6)  # fmt: skip
+
+
+def test_map_chunks_of_a_residual_function_equals_it_in_both_modes(getkey):
+    # One array in and rows of its shape out: the path whose backward pass writes the input's
+    # gradient over the output's (`_in_place`). It closes over weights, an integer array and
+    # a traced PRNG key, which reach the rule as arguments (only the weights differentiated).
+    from eqx_lowmem.nn._chunk import map_chunks
+
+    x, w = jr.normal(getkey(), (7, 4)), jr.normal(getkey(), (4, 4))
+    offsets = (jnp.arange(7) % 2)[:, None]
+
+    def chunked(x, w, key):
+        def fn(rows, first):
+            at = jnp.minimum(first + jnp.arange(rows.shape[0]), 6)  # the padded rows: 6
+            scale = offsets[at].astype(rows.dtype)
+            return rows + jnp.tanh(rows @ w) * scale + jr.normal(key, (7, 4))[at]
+
+        return map_chunks(fn, x, 3)  # chunks of 3, the last padded
+
+    def whole(x, w, key):
+        return x + jnp.tanh(x @ w) * offsets.astype(x.dtype) + jr.normal(key, (7, 4))
+
+    key = getkey()
+    loss = lambda f: lambda x, w, k: jnp.sum(jnp.sin(f(x, w, k)))  # noqa: E731
+    tangents = (jr.normal(getkey(), x.shape), jr.normal(getkey(), w.shape))
+    want = jax.value_and_grad(loss(whole), argnums=(0, 1))(x, w, key)
+    want_jvp = jax.jvp(lambda x, w: whole(x, w, key), (x, w), tangents)
+    # Eagerly, jitted, and recomputed (a checkpoint traces the rule again).
+    for f, g in ((lambda h: h, chunked), (jax.jit, chunked), (jax.jit, jax.checkpoint(chunked))):
+        grads = f(jax.value_and_grad(loss(g), argnums=(0, 1)))(x, w, key)
+        assert tree_allclose(grads, want, rtol=1e-5, atol=1e-5)
+        jvp = f(lambda x, w, k, g=g: jax.jvp(lambda x, w: g(x, w, k), (x, w), tangents))
+        assert tree_allclose(jvp(x, w, key), want_jvp, rtol=1e-5, atol=1e-5)

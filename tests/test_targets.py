@@ -204,3 +204,36 @@ def test_micro_batches_of_images_hold_one_copy_of_the_batch_on_a_gpu():
                                      accumulate=4, target="h100")  # fmt: skip
     # The images once, the labels and the step's per-sample weights (float32).
     assert report.at_peak["batch"] == 64 * 3 * 32 * 32 * 4 + 64 * 4 + 64 * 4
+
+
+def test_a_residual_chunk_loop_holds_one_buffer_for_both_gradients_on_a_gpu():
+    # map_chunks of a function that keeps its rows' shape writes each chunk's input
+    # gradient over the output gradient's rows it has just read; a second input leaf
+    # (here an unused column) takes the general path, whose input gradient is summed
+    # into a buffer of its own. XLA:CPU holds both the same; a GPU's scheduler does not.
+    from eqx_lowmem.memory._compile import NO_TRITON_GEMM
+    from eqx_lowmem.nn._chunk import map_chunks
+
+    target = Target("h100")
+    device = jax.sharding.SingleDeviceSharding(target.devices_of_topology()[0])
+    n, d = 1024, 256
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=device)
+              for s in ((n, d), (d, 4 * d), (4 * d, d))]  # fmt: skip
+
+    def block(rows, w1, w2):
+        return rows + jnp.tanh(rows @ w1) @ w2
+
+    def one_leaf(x, w1, w2):
+        return jnp.sum(jnp.sin(map_chunks(lambda r, _: block(r, w1, w2), x, 128)))
+
+    def two_leaves(x, w1, w2):
+        fn = lambda r, _: block(r[0], w1, w2) + 0 * r[1]  # noqa: E731
+        return jnp.sum(jnp.sin(map_chunks(fn, (x, jnp.zeros((n, 1))), 128)))
+
+    options = {**target.options(), **NO_TRITON_GEMM}
+    temp = {
+        f.__name__: compile_as_users(jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(*shapes),
+                                     options).memory_analysis().temp_size_in_bytes
+        for f in (one_leaf, two_leaves)
+    }  # fmt: skip
+    assert temp["two_leaves"] - temp["one_leaf"] >= 0.95 * n * d * 4, temp
