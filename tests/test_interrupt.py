@@ -107,8 +107,8 @@ def callback(trainer, metrics):
     print("update", metrics["updates"], flush=True)
     if phase == "last_update" and metrics["updates"] == n:
         die()  # the epoch's last update is done; its end-of-epoch save is not
-    if phase == "sigint":
-        time.sleep(0.05)
+    if phase == "sigint":  # from update 5 on, time for the parent to try the directory
+        time.sleep(0.5 if metrics["updates"] >= 5 else 0.05)
 
 fit(make_trainer(directory, callback))
 print("finished", flush=True)
