@@ -1,9 +1,12 @@
 """Write the README's measured figures from the committed JSON in `benchmarks/results/`.
 
 Each generated part of README.md stands between `<!-- figures:NAME -->` and
-`<!-- /figures:NAME -->`; `SECTIONS[NAME]` writes it from the JSON alone, so a figure in the
-README cannot drift from its measurement. `tests/test_readme_figures.py` fails when they
-disagree: rerun a benchmark, then this script.
+`<!-- /figures:NAME -->`: a line naming its JSON files and their dates, then tables. A table
+is a spec: a header per column and, per row, the row's figures (`table`); or goals, each
+with what it reached and its bound (`goals`). `SECTIONS[NAME]` writes a part from the JSON
+alone, so a figure in the README cannot drift from its measurement; the prose around the
+parts is written by hand and states no measured figure. `tests/test_readme_figures.py`
+fails when they disagree: rerun a benchmark, then this script.
 
     python benchmarks/readme.py          # rewrite README.md's generated parts
     python benchmarks/readme.py --check  # exit 1, naming the parts that differ
@@ -33,17 +36,21 @@ def result(name: str) -> dict:
     return json.loads((RESULTS / f"{name}.json").read_text())
 
 
-def date(name: str) -> str:
-    return result(name)["environment"]["date"][:10]
+def grid() -> dict:
+    """The compile-only rows of `benchmarks/memory.py`."""
+    return result("memory_grid")["rows"]
 
 
 def cite(name: str) -> str:
     """A figure's source: its JSON and the day it was measured."""
-    return f"`{name}.json`, {date(name)}"
+    return f"`{name}.json`, {result(name)['environment']['date'][:10]}"
 
 
-def para(text: str) -> str:
-    return textwrap.fill(text, width=92, break_long_words=False, break_on_hyphens=False)
+def sources(*names: str, by: str = "", note: str = "") -> str:
+    """A part's first line: the script, its JSON files and their dates, and a note."""
+    script = f"`{by}`: " if by else ""
+    line = f"{script}{'; '.join(map(cite, names))}{f'; {note}' if note else ''}."
+    return textwrap.fill(line, width=92, break_long_words=False, break_on_hyphens=False)
 
 
 def table(head: list[str], rows: list[list], right: int = 1) -> str:
@@ -54,26 +61,31 @@ def table(head: list[str], rows: list[list], right: int = 1) -> str:
 
 
 def spec_table(label: str, columns: dict[str, str], rows: dict[str, dict], right: int = 1) -> str:
-    """A Markdown table from a spec: a row per `rows` item, its name under `label`, then a
-    column per `columns` item, header -> a `str.format` template filled from the row's
-    figures (`"{time:.2f}x"`)."""
+    """A table from a spec: a row per `rows` item, its name under `label`, then a column
+    per `columns` item, header -> a `str.format` template of the row's figures
+    (`"{time:.2f}x"`)."""
     cells = [[name, *(t.format(**r) for t in columns.values())] for name, r in rows.items()]
     return table([label, *columns], cells, right)
 
 
+def goal(met) -> str:
+    return "not measured" if met is None else "met" if met else "**not met**"
+
+
+def goals(rows: list[tuple], head: str = "goal") -> str:
+    """A table of goals: (what, reached, bound, met); bound "" for a figure with no goal."""
+    cells = [
+        [what, reached, bound, goal(met) if bound else ""] for what, reached, bound, met in rows
+    ]
+    return table([head, "reached", "bound", ""], cells, 1)
+
+
+def part(*blocks: str) -> str:
+    return "\n\n".join(blocks)
+
+
 def x(ratio: float, digits: int = 2) -> str:
     return f"{ratio:.{digits}f}x"
-
-
-def goal(met) -> str:
-    return (
-        "not measured" if met is None or isinstance(met, str) else "met" if met else "**not met**"
-    )
-
-
-def goal_of(d: dict, key: str) -> str:
-    """A goal of a JSON that keeps `goals` and `goals_met`: "the goal of 0.95x: met"."""
-    return f"the goal of {d['goals'][key]}x: {goal(d['goals_met'][key])}"
 
 
 def pc(value) -> str:
@@ -87,33 +99,43 @@ def acc(*runs: dict) -> Decimal:
     return 100 * sum(finals) / len(finals)
 
 
+def peak_vs(name: str, base: str = "guide/none") -> float:
+    return grid()[name]["peak"] / grid()[base]["peak"]
+
+
 # ----------------------------------------------------------------------- the examples
 
+EXAMPLE_TIMES = {"CPU time": "{cpu_s:,.0f} s", "wall time": "{wall_s:,.0f} s",
+                 "load average at the start": "{load:.1f}"}  # fmt: skip
 
-def _run_time(run: str) -> str:
+
+def _example(run: str, label: str) -> str:
     r = result("examples")[run]
-    return (f"measured on {date('examples')} (`benchmarks/examples.py`): {r['cpu_s']:,.0f} s of "
-            f"CPU time, {r['wall_s']:,.0f} s of wall time on 2 CPU cores shared with other work "
-            f"(load average {r['load_before'][0]:.1f} at the start)")  # fmt: skip
+    row = {**r, "load": r["load_before"][0]}
+    columns = {"updates": "{updates}"} if "updates" in r else {}
+    columns |= EXAMPLE_TIMES
+    return part(
+        sources("examples", by="benchmarks/examples.py", note="2 CPU cores shared with other work"),
+        spec_table("run", columns, {label: row}),
+    )
 
 
 def main_job_setup() -> str:
-    updates = result("examples")["main_job"]["updates"]
-    return para(f"It trains {updates} updates; {_run_time('main_job')}.")
+    return _example("main_job", "the main job")
 
 
 def short_example_time() -> str:
-    return para(f"M{_run_time('short_example')[1:]}, mostly compiling.")
+    return _example("short_example", "the short example (mostly compiling)")
 
 
 def main_job() -> str:
     m = result("examples")["main_job"]
-    return para(
-        f"**The main job** (`examples/train_char_lm.py`, default settings, 2 CPU cores; "
-        f"`benchmarks/examples.py`, {date('examples')}): {m['updates']} updates; the evaluation "
-        f"loss fell to {m['final_eval_loss']:.3f} nats per character against the text's "
-        f"unigram entropy of {m['unigram_entropy']:.3f}, in {m['cpu_s']:,.0f} s of CPU time and "
-        f"{m['wall_s']:,.0f} s of wall time (training {m['train_seconds']:,.0f} s)."
+    columns = {"updates": "{updates}", "evaluation loss": "{final_eval_loss:.3f}",
+               "unigram entropy": "{unigram_entropy:.3f}", "training": "{train_seconds:,.0f} s",
+               "CPU time": "{cpu_s:,.0f} s", "wall time": "{wall_s:,.0f} s"}  # fmt: skip
+    return part(
+        sources("examples", by="benchmarks/examples.py", note="2 CPU cores, nats per character"),
+        spec_table("run", columns, {"`examples/train_char_lm.py`, default settings": m}),
     )
 
 
@@ -124,33 +146,35 @@ def checkpoint() -> str:
     d = result("checkpoint")
     loads = [*d["load_average_before"], *d["load_average_after"]]
     big, kills = d["stall"]["100mb"], d["sigkill"]
-    met = d["goals"]["async_stall_at_most_0.2x_file_save_100mb"]
     rows = {f"{big['state_mb']:.0f} MB (MLP 8 x 1024x1024, Adam)": big,
             "the tests' small MLP": d["stall"]["small"]}  # fmt: skip
     columns = {"single file": "{file_save_s:.3f} s", "orbax async: stall":
                "{orbax_async_stall_s:.3f} s", "its write": "{orbax_async_write_s:.2f} s",
                "orbax sync": "{orbax_sync_write_s:.2f} s"}  # fmt: skip
-    return "\n\n".join([
-        para(f"Measured (`benchmarks/checkpoint.py`, {cite('checkpoint')}, 2 CPU cores at a load "
-             f"average of {min(loads):.1f}-{max(loads):.1f}, medians of 5 saves; seconds the save "
-             "holds the caller, and the asynchronous write's whole time):"),
+    killed = f"{kills['bit_identical_resumes']} of {kills['killed']} killed runs " \
+             f"({kills['during_async_save']} during an asynchronous save)"  # fmt: skip
+    return part(
+        sources("checkpoint", by="benchmarks/checkpoint.py",
+                note=f"2 CPU cores at a load average of {min(loads):.1f}-{max(loads):.1f}, "
+                "medians of 5 saves"),  # fmt: skip
         spec_table("state", columns, rows),
-        para(f"The asynchronous stall is {x(big['async_stall_vs_file_save'])} the single file's "
-             f"save (the goal of at most 0.2x: {goal(met)}). Killed {kills['killed']} times at "
-             f"random moments ({kills['during_async_save']} during an asynchronous save), the "
-             f"orbax run resumed bit-identically {kills['bit_identical_resumes']} times."),
-    ])  # fmt: skip
+        goals([
+            ("the asynchronous stall against the single file's save (the larger state)",
+             x(big["async_stall_vs_file_save"]), "at most 0.2x",
+             d["goals"]["async_stall_at_most_0.2x_file_save_100mb"]),
+            ("resumed bit-identically after a SIGKILL at a random moment", killed, "every one",
+             d["goals"]["all_resumes_bit_identical"]),
+        ]),
+    )  # fmt: skip
 
 
 def shard() -> str:
     rows = {n: {k: grid()[f"shard/{n}"]["fsdp"][k] / grid()[f"shard/{n}"]["data"][k]
                 for k in ("argument", "temp")} for n in (2, 4, 8)}  # fmt: skip
-    return "\n\n".join([
-        para("Compiled for XLA:CPU host devices (`python benchmarks/memory.py --only shard/`, "
-             f"{cite('memory_grid')}, a 4-block encoder with Adam): FSDP's per-device bytes "
-             "against the replicated step's."),
+    return part(
+        sources("memory_grid", by="benchmarks/memory.py --only shard/"),
         spec_table("devices", {"arguments": "{argument:.2f}x", "temporaries": "{temp:.2f}x"}, rows),
-    ])  # fmt: skip
+    )
 
 
 # ----------------------------------------------------------------------------- sparse
@@ -165,58 +189,31 @@ def sparse() -> str:
     vs = lambda n, k: g[f"sparse/{n}"][k] / g["sparse/dense"][k]  # noqa: E731
     rows = {n: {"stored": vs(n, "params_opt_bytes"), "peak": vs(n, "peak"),
                 "time": t[f"sparse/{n}"]["time_vs_base"]} for n in SPARSE}  # fmt: skip
-    goals = [f"{SPARSE[n][0]}: {what} <= {bound}x dense: {goal(rows[n][what] <= bound)}"
-             for n in ("ours", "ours_dsr100", "rewired_dsr100", "bits")
-             for what, bound in (("time", 1.3), ("peak", 0.6))]  # fmt: skip
     columns = {"parameters + Adam": "{stored:.2f}x", "step's peak": "{peak:.2f}x",
                "step's time": "{time:.2f}x"}  # fmt: skip
-    return "\n\n".join([
-        para(f"Measured (`benchmarks/speed.py --only sparse/`, {cite('speed')}, 2 CPU cores, "
-             "times side by side in one process; memory compiled by `benchmarks/memory.py`, "
-             f"{cite('memory_grid')}; an MLP of three 1024x1024 layers and a head, batch 128, "
-             "Adam, 30% density and 10% slack), against dense:"),
+    return part(
+        sources("speed", "memory_grid", by="benchmarks/speed.py --only sparse/, memory.py"),
         spec_table("variant", columns, {SPARSE[n][0]: r for n, r in rows.items()}),
-        para("Goals: " + "; ".join(goals) + "."),
-    ])  # fmt: skip
-
-
-def sparse_bits() -> str:
-    t = result("speed")["configs"]
-    return para(
-        f"On the MLP above (the same run) a bit set takes {x(t['sparse/bits']['time_vs_base'])} "
-        f"the dense step's time against {x(t['sparse/ours']['time_vs_base'])} with indices: "
-        "each step walks every layer's bits three times (two rebuilds of the dense weight and "
-        "the value gradient), a chunk of positions at a time, so that no positions array is "
-        "ever held."
-    )
+        goals([(f"{SPARSE[n][0]}: {what} against dense", x(rows[n][what]), f"at most {bound}x",
+                rows[n][what] <= bound)
+               for n in ("ours", "ours_dsr100", "rewired_dsr100", "bits")
+               for what, bound in (("time", 1.3), ("peak", 0.6))]),
+    )  # fmt: skip
 
 
 def sparse_quality() -> str:
-    d = result("frontier")
-    r, cfg = {r["config"]: r for r in d["rows"]}, d["config"]
-    dsr, dense = r["dsr30"], r["fp32"]
-    return para(
-        f"On Fashion-MNIST (`benchmarks/quality.py --frontier`, `frontier.json`, "
-        f"{date('frontier')}: a WRN-{cfg['depth']}-{cfg['width']}, {dsr['trained']['updates']} "
-        f"updates of {cfg['batch']}, seeds {' and '.join(map(str, cfg['seeds']))}), DSR at 30% "
-        f"density reaches {100 * dsr['test_accuracy']:.2f}% test accuracy against "
-        f"{100 * dense['test_accuracy']:.2f}% dense (the seeds' spreads "
-        f"{100 * dsr['test_accuracy_spread']:.2f} and {100 * dense['test_accuracy_spread']:.2f} "
-        "points)."
-    )
+    rows = {r["config"]: r for r in result("frontier")["rows"]}
+    columns = {"test accuracy": "{test_accuracy:.2%}", "spread (2 seeds)": "{spread:.2f}"}
+    return part(
+        sources("frontier", by="benchmarks/quality.py --frontier"),
+        spec_table("WRN-10-2", columns, {label: {**rows[n], "spread":
+                                                 100 * rows[n]["test_accuracy_spread"]}
+                                         for label, n in (("30% DSR", "dsr30"),
+                                                          ("dense", "fp32"))}),
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------- memory and speed
-
-
-def grid() -> dict:
-    """The compile-only rows of `benchmarks/memory.py`."""
-    return result("memory_grid")["rows"]
-
-
-def peak_vs(name: str, base: str = "guide/none") -> float:
-    return grid()[name]["peak"] / grid()[base]["peak"]
-
 
 # (label, memory grid row, configuration of memory_and_data.json's timing)
 _GUIDE_ROWS = (
@@ -233,24 +230,35 @@ _GUIDE_ROWS = (
 def guide() -> str:
     d = result("memory_and_data")
     ref, c, g = d["reference_t4"], d["configs"], grid()
-    rows = [["guide's reference: per-block `jax.checkpoint`", "T4", f"{ref['peak_ratio']:.3f}",
-             f"{ref['time_ratio']:.2f}"]]  # fmt: skip
-    rows += [[label, "CPU", f"{peak_vs('guide/' + n):.3f}", f"{c[t]['time_vs_baseline']:.2f}"]
+    rows = [
+        [
+            "guide's reference: per-block `jax.checkpoint`",
+            "T4",
+            "",
+            f"{ref['peak_ratio']:.3f}",
+            f"{ref['time_ratio']:.2f}",
+        ],
+        ["baseline", "CPU", f"{g['guide/none']['peak'] / MIB:,.0f}", "1.000", "1.00"],
+    ]
+    rows += [[label, "CPU", f"{g['guide/' + n]['peak'] / MIB:,.0f}",
+              f"{peak_vs('guide/' + n):.3f}", f"{c[t]['time_vs_baseline']:.2f}"]
              for label, n, t in _GUIDE_ROWS]  # fmt: skip
     claims = {k["id"]: k for k in d["claims"]}
-    return "\n\n".join([
-        table(["configuration", "device", "peak vs baseline", "step time vs baseline"], rows, 2),
-        para(f"Peaks compiled on {date('memory_grid')} (`benchmarks/memory.py`, "
-             f"`memory_grid.json`), times measured on {date('memory_and_data')} "
-             "(`memory_and_data.json`). The baseline's peak is "
-             f"{g['guide/none']['peak'] / MIB:,.0f} MiB; with `remat=True` it is "
-             f"{g['guide/full']['peak'] / MIB:,.0f} MiB. The claims written before the run: "
-             f"remat's peak at most {claims['remat_peak']['threshold']}x "
-             f"({goal(peak_vs('guide/full') <= claims['remat_peak']['threshold'])}), its time "
-             f"at most {claims['remat_time']['threshold']}x ({goal(claims['remat_time']['met'])}), "
-             "and 4 micro-batches of 8 equal to a batch of 32 "
-             f"({claims['accumulate_equal']['measured']:.0e} relative)."),
-    ])  # fmt: skip
+    remat_peak, remat_time = (claims[f"remat_{k}"]["threshold"] for k in ("peak", "time"))
+    return part(
+        sources("memory_grid", "memory_and_data", by="benchmarks/memory.py",
+                note="peaks compiled, times measured"),
+        table(["configuration", "device", "peak MiB", "peak vs baseline",
+               "step time vs baseline"], rows, 2),
+        goals([
+            ("`remat=True`: peak", x(peak_vs("guide/full"), 3), f"at most {remat_peak}x",
+             peak_vs("guide/full") <= remat_peak),
+            ("`remat=True`: time", x(claims["remat_time"]["measured"]), f"at most {remat_time}x",
+             claims["remat_time"]["met"]),
+            ("4 micro-batches of 8 against a batch of 32: parameters after an update",
+             f"{claims['accumulate_equal']['measured']:.0e} relative", "", None),
+        ], "claim written before the run"),
+    )  # fmt: skip
 
 
 def remat() -> str:
@@ -258,38 +266,45 @@ def remat() -> str:
     v = d["variants"]
     rows = [[n, f"{peak_vs('guide/' + n):.3f}", f"{v[f'{n}/scan']['time_vs_none']:.2f}"]
             for n in ("full", "dots", "minimal")]  # fmt: skip
-    return "\n\n".join([
-        para(f"**Recomputation presets** (memory at the guide's size, {cite('memory_grid')}; "
-             f"time at 4 layers, batch 2, {cite('remat')}; compiling 48 scanned layers took "
-             f"{d['compile_s']['48'] / d['compile_s']['4']:.3f}x the time of 4):"),
+    compile_ratio = d["compile_s"]["48"] / d["compile_s"]["4"]
+    return part(
+        sources("memory_grid", "remat", note="memory at the guide's size, time at 4 layers, "
+                f"batch 2; compiling 48 scanned layers took {compile_ratio:.3f}x the time of 4"),
         table(["preset", "peak vs none", "time vs none"], rows),
-    ])  # fmt: skip
+    )  # fmt: skip
 
 
 def accumulate() -> str:
     d, g = result("accumulate"), grid()
-    a, m = d["achieved"], d["model"]
-    return para(
-        f"**Accumulation** ({m['n_layers']} blocks, d_model {m['d_model']}, seq {d['seq']}, "
-        f"batch {d['batch']}, SGD; times {cite('accumulate')}, peaks `memory_grid.json`): 4 "
-        f"micro-batches of 8 ran at {x(a['scan_k4_vs_whole_batch'])} the whole batch's updates "
-        f"per second with a peak of {g['accumulate/k4']['peak'] / MIB:.0f} MiB against "
-        f"{g['accumulate/k1']['peak'] / MIB:.0f} MiB ({goal_of(d, 'scan_k4_vs_whole_batch')}), "
-        f"and at {x(a['scan_k4_vs_multisteps_k4'])} `optax.MultiSteps`, which keeps a "
-        f"parameter-sized buffer in its optimizer state ({goal_of(d, 'scan_k4_vs_multisteps_k4')})."
-    )
+    a, bound = d["achieved"], d["goals"]
+    peaks = " against ".join(f"{g[f'accumulate/k{k}']['peak'] / MIB:.0f} MiB" for k in (4, 1))
+    return part(
+        sources("accumulate", "memory_grid", note="times, then peaks"),
+        goals([
+            ("4 micro-batches of 8: updates per second against the whole batch",
+             x(a["scan_k4_vs_whole_batch"]), f"at least {bound['scan_k4_vs_whole_batch']}x",
+             d["goals_met"]["scan_k4_vs_whole_batch"]),
+            ("4 micro-batches of 8: compiled peak against the whole batch", peaks, "", None),
+            ("4 micro-batches of 8: updates per second against `optax.MultiSteps`",
+             x(a["scan_k4_vs_multisteps_k4"]), f"at least {bound['scan_k4_vs_multisteps_k4']}x",
+             d["goals_met"]["scan_k4_vs_multisteps_k4"]),
+        ]),
+    )  # fmt: skip
 
 
 def precision() -> str:
     g = grid()
     saved = g["precision/mixed_bf16"]["saved_bytes"] / g["precision/float32"]["saved_bytes"]
     state = g["precision/half_bf16"]["param_opt_bytes"] / g["precision/float32"]["param_opt_bytes"]
-    return para(
-        f"**Precision** (`benchmarks/memory.py`, {cite('memory_grid')}, guide configuration): "
-        f"the backward pass keeps {x(saved)} the bytes in mixed bf16 that it keeps in float32; "
-        f"16-bit storage holds parameters and Adam state in {x(state)} the bytes (both goals of "
-        f"at most 0.55x: {goal(max(saved, state) <= 0.55)})."
-    )
+    return part(
+        sources("memory_grid", by="benchmarks/memory.py", note="the guide's configuration"),
+        goals([
+            ("bytes the backward pass keeps, mixed bf16 against float32", x(saved),
+             "at most 0.55x", saved <= 0.55),
+            ("parameters and Adam state, 16-bit storage against float32", x(state),
+             "at most 0.55x", state <= 0.55),
+        ]),
+    )  # fmt: skip
 
 
 def data() -> str:
@@ -300,27 +315,33 @@ def data() -> str:
             for n in ("bounded_shuffle_512", "global_shuffle")]  # fmt: skip
     rows.append(["global shuffle, `safe_reads` (a lease) vs NumPy's copy",
                  *(x(d["achieved"][f"safe_vs_plain_reads_{k}"]) for k in sizes)])  # fmt: skip
-    safe_met = all(d["goals_met"][f"safe_vs_plain_reads_{k}"] for k in sizes)
-    return "\n\n".join([
-        para(f"**Data** (`benchmarks/stream.py`, {date('stream')}; {d['samples']:,} samples in a "
-             f"`.npy`, batch {d['batch']}, every batch copied out of the file), rates against "
-             "reading in order:"),
+    safe = min(d["achieved"][f"safe_vs_plain_reads_{k}"] for k in sizes)
+    # rounded down, as the goal compares: 4.9999 is not 5.0
+    grain = math.floor(10 * d["achieved"]["shuffled_vs_grain"]) / 10
+    classes = f"distinct classes per batch of {mix['batch']}, {mix['samples']:,} samples " \
+              f"sorted into {mix['classes']} classes"  # fmt: skip
+    return part(
+        sources("stream", "speed_stream", by="benchmarks/stream.py, speed.py --only stream/",
+                note=f"rates against reading in order, batch {d['batch']}, {d['samples']:,} "
+                "samples in a `.npy`, every batch copied out of the file"),
         table(["read", "64 KiB samples", "1 KiB samples"], rows),
-        para(f"Safe reads (the default), at least {d['goals']['safe_vs_plain_reads_1KiB']}x "
-             f"NumPy's copy from the mapping (the goal): {goal(safe_met)}; "
-             # rounded down, as the goal compares: 4.9999 is not 5.0
-             f"{math.floor(10 * d['achieved']['shuffled_vs_grain']) / 10:.1f}x grain's fastest "
-             f"shuffled setting ({goal_of(d, 'shuffled_vs_grain')}); on {mix['samples']:,} "
-             f"samples sorted into {mix['classes']} classes a buffer of {mix['buffer']:,} gives "
-             f"{dist['bounded_shuffle_1000']:.2f} distinct classes per batch of {mix['batch']} (a "
-             f"full shuffle {dist['full_random']:.2f}, a sliding buffer "
-             f"{dist['sliding_sample_buffer_1000']:.2f}); a step fed by `prefetch()` ran at "
-             f"{prefetch['ratio']:.2f}x the updates per second of the same step on batches "
-             f"already on the device (`benchmarks/speed.py --only stream/`, "
-             f"{cite('speed_stream')}), on the CPU, where the reading thread and the step share "
-             f"the 2 cores (the goal of {prefetch['goal'][3:]}x is for a GPU: "
-             f"{goal(prefetch['met'] if p['mode'] == 'gpu' else None)})."),
-    ])  # fmt: skip
+        goals([
+            ("safe reads (the default) against NumPy's copy from the mapping", x(safe),
+             f"at least {d['goals']['safe_vs_plain_reads_1KiB']}x",
+             all(d["goals_met"][f"safe_vs_plain_reads_{k}"] for k in sizes)),
+            ("shuffled reads against grain's fastest shuffled setting", f"{grain:.1f}x",
+             f"at least {d['goals']['shuffled_vs_grain']}x", d["goals_met"]["shuffled_vs_grain"]),
+            (f"{classes}: a buffer of {mix['buffer']:,}",
+             f"{dist['bounded_shuffle_1000']:.2f}", "", None),
+            (f"{classes}: a full shuffle", f"{dist['full_random']:.2f}", "", None),
+            (f"{classes}: a sliding buffer of samples", f"{dist['sliding_sample_buffer_1000']:.2f}",
+             "", None),
+            ("a step fed by `prefetch()` against batches already on the device (updates per "
+             "second; on the CPU the reading thread and the step share the 2 cores)",
+             x(prefetch["ratio"]), f"at least {prefetch['goal'][3:]}x on a GPU",
+             prefetch["met"] if p["mode"] == "gpu" else None),
+        ]),
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the paper
@@ -340,6 +361,9 @@ def paper() -> str:
         b, r = (g[base]["h100"], g[row]["h100"]) if gpu else (g[base], g[row])
         return b[key] / r[key]
 
+    def at_least(what: str, value: float, bound: float = 60.7) -> tuple:
+        return what, x(value, 1), f"at least {bound}x", value >= bound
+
     tables = [table(head, [
         [n, *(f"{g[n][k] / MB:.2f}" for k in parts), f"{g[n]['total'] / MB:.1f}",
          x(reduction(base, n), 1), f"{g[n]['live_at_peak'] / MB:.1f}",
@@ -358,36 +382,32 @@ def paper() -> str:
     gnws, fp32 = (next(r["test_accuracy"] for r in result(n)["rows"] if r["config"] == c)
                   for n, c in runs)  # fmt: skip
     baseline_mb = g[base]["h100"]["total"] / MB
-    goals = [
-        ("FP32 baseline within 2% of the paper's 404.8 MB (H100)", f"{baseline_mb:.1f} MB",
-         abs(baseline_mb / 404.8 - 1) <= 0.02),
-        *((f"WRN combination (micro-batches of 10) >= 60.7x ({where})",
-           reduction(base, combo, gpu=gpu), 60.7) for gpu, where in ((True, "H100"),
-                                                                    (False, "XLA:CPU"))),
-        *((f"WRN combination at any micro-batch >= 60.7x ({where})", best[gpu], 60.7)
-          for gpu, where in ((True, "H100"), (False, "XLA:CPU"))),
-        (f"WRN combination at FP32's accuracy (GroupNorm + WS, micro-batches of 1, 30% DSR: "
-         f"{100 * gnws:.2f}% against {100 * fp32:.2f}% on the frontier) >= 60.7x (H100)",
-         reduction(base, "gnws_fp16_checkpoint_micro100_sparse30", gpu=True), 60.7),
-        *((f"transformer combination >= 8.7x ({where})", reduction(*lm_combo, gpu=gpu), 8.7)
-          for gpu, where in ((True, "H100"), (False, "XLA:CPU"))),
-        ("sum of parts, checkpoint-residual-3 >= 60.7x",
-         reduction(base, "fp16_checkpoint3_micro10_sparse30", "sum_of_parts"), 60.7),
-        ("sum of parts, checkpoint-residual-1 >= 60.7x",
-         reduction(base, combo, "sum_of_parts"), 60.7),
-        ("the report's parts within 10% of the compiled peak", f"{100 * error:.1f}%",
-         error <= 0.10),
-    ]  # fmt: skip
-    goals = [(a, x(b, 1), b >= c) if isinstance(b, float) else (a, b, c) for a, b, c in goals]
-    times = result("paper")["step_time"]
-    times = ", ".join(f"`{k}` {x(v['ratio'])}" for k, v in times.items() if "ratio" in v)
-    return "\n\n".join([
-        *tables, para(f"{cite('memory_grid')}; the paper's reduction of its combinations is "
-                      "9.5x, 33.2x and 60.7x (WRN) and 8.7x (transformer)."),
-        table(["goal", "reached", ""], [[a, b, goal(c)] for a, b, c in goals], 1),
-        para("Step time against the paper's combination (WRN-16-1, batch 100, side by side, "
-             f"2 cores under load; {cite('paper')}): {times}."),
-    ])  # fmt: skip
+    where = ((True, "H100"), (False, "XLA:CPU"))
+    times = {f"`{k}`": v for k, v in result("paper")["step_time"].items() if "ratio" in v}
+    return part(
+        sources("memory_grid", "paper", note="the paper's reduction of its combinations is "
+                "9.5x, 33.2x and 60.7x (WRN) and 8.7x (transformer)"),
+        *tables,
+        goals([
+            ("FP32 baseline against the paper's 404.8 MB (H100)", f"{baseline_mb:.1f} MB",
+             "within 2%", abs(baseline_mb / 404.8 - 1) <= 0.02),
+            *(at_least(f"WRN combination, micro-batches of 10 ({w})",
+                       reduction(base, combo, gpu=gpu)) for gpu, w in where),
+            *(at_least(f"WRN combination, any micro-batch ({w})", best[gpu]) for gpu, w in where),
+            at_least(f"WRN combination at FP32's accuracy (GroupNorm + WS, micro-batches of 1, "
+                     f"30% DSR: {100 * gnws:.2f}% against {100 * fp32:.2f}% on the frontier; "
+                     "H100)", reduction(base, "gnws_fp16_checkpoint_micro100_sparse30", gpu=True)),
+            *(at_least(f"transformer combination ({w})", reduction(*lm_combo, gpu=gpu), 8.7)
+              for gpu, w in where),
+            at_least("sum of parts, checkpoint-residual-3",
+                     reduction(base, "fp16_checkpoint3_micro10_sparse30", "sum_of_parts")),
+            at_least("sum of parts, checkpoint-residual-1", reduction(base, combo, "sum_of_parts")),
+            ("the report's parts against the compiled peak", f"{100 * error:.1f}%", "within 10%",
+             error <= 0.10),
+        ]),
+        spec_table("step time against the paper's combination (WRN-16-1, batch 100)",
+                   {"ratio": "{ratio:.2f}x"}, times),
+    )  # fmt: skip
 
 
 def quality() -> str:
@@ -405,36 +425,34 @@ def quality() -> str:
     gaps = [(n, acc(*result(n)["runs"]["baseline_fp32"].values())
              - acc(*result(n)["runs"]["combined"].values()))
             for n in ("paper_quality", "paper_quality_6epochs")]  # fmt: skip
-    t, comb = result("paper_quality_timing")["steps"], d["runs"]["combined"]
-    c, wall = d["config"], d["wall_seconds"]
-    return "\n\n".join([
-        para(f"**The paper's accuracy comparison** (`benchmarks/quality.py`, "
-             f"`paper_quality.json` and `.png`): a WRN-{c['depth']}-{c['width']} on "
-             f"{c['train']:,} Fashion-MNIST training images, batch {c['batch']}, momentum SGD with "
-             f"a cosine decay from {c['lr']} (chosen on held-out training images); FP32 dense "
-             "against the paper's combination (FP16 with a dynamic loss scale, "
-             "checkpoint-residual-1, micro-batches of 10, 30% of the 3x3 convolutions with DSR). "
-             "Test accuracy per seed:"),
+    t, comb, wall = (
+        result("paper_quality_timing")["steps"],
+        d["runs"]["combined"],
+        d["wall_seconds"],
+    )
+    return part(
+        sources("paper_quality", by="benchmarks/quality.py", note="test accuracy per seed"),
         table(["run", "configuration", "accuracy per seed", "mean"], rows, 2),
-        para("The combination's gap to FP32 (the goal of at most 0.5 points): "
-             + "; ".join(f"{pc(v)} points at `{n}.json` ({goal(v <= Decimal('0.5'))})"
-                         for n, v in gaps)
-             + f". Skipped updates by the loss scale per run: "
-             f"{', '.join(str(r['skipped_updates']) for r in comb.values())}. The script took "
-             f"{wall:,.0f} s on {d['environment']['cpu_count']} cores (the goal of at most 30 "
-             f"minutes: {goal(wall <= 1800)}); `--timing-only` ({cite('paper_quality_timing')}): "
-             "FP32 "
-             f"{t['baseline_fp32']['step_s']:.2f} s per update, the combination "
-             f"{t['combined_fp16']['step_s']:.2f} s in FP16 and {t['combined_bf16']['step_s']:.2f} "
-             "s in bf16."),
-    ])  # fmt: skip
+        goals([
+            *((f"the combination's gap to FP32 (`{n}.json`)", f"{pc(v)} points",
+               "at most 0.5 points", v <= Decimal("0.5")) for n, v in gaps),
+            ("updates the loss scale skipped, per run",
+             ", ".join(str(r["skipped_updates"]) for r in comb.values()), "", None),
+            (f"the script's time on {d['environment']['cpu_count']} cores", f"{wall:,.0f} s",
+             "at most 30 minutes", wall <= 1800),
+            *((f"seconds per update, {what} (`--timing-only`, {cite('paper_quality_timing')})",
+               f"{t[k]['step_s']:.2f} s", "", None)
+              for k, what in (("baseline_fp32", "FP32"), ("combined_fp16", "the combination in "
+                               "FP16"), ("combined_bf16", "the combination in bf16"))),
+        ]),
+    )  # fmt: skip
 
 
 def frontier() -> str:
     """Accuracy against compiled peak: every row, the budget table, the longer run and the
     normalisations at one image per micro-batch."""
     d = result("frontier")
-    cfg, front = d["config"], set(d["pareto_front"])
+    front = set(d["pareto_front"])
     rows = [[f"`{r['config']}`", r["uses"], f"{r['compiled_peak_bytes'] / MB:.1f}",
              f"{grid()['frontier/' + r['config']]['h100'] / MB:.1f}",
              f"{100 * r['test_accuracy']:.2f}%", f"{100 * r['test_accuracy_spread']:.2f}",
@@ -448,28 +466,20 @@ def frontier() -> str:
     beaten = [g["combination"] for g in d["goal"] if g["dense_better_by_more_than_spread"]]
     head = ["configuration", "uses", "compiled MB", "H100 MB", "test accuracy",
             "spread (2 seeds)", "s / update", "front"]  # fmt: skip
-    return "\n\n".join([
-        para(f"**Accuracy against memory** (`benchmarks/quality.py --frontier`, "
-             f"{date('frontier')}; `frontier.json` and `frontier.png`): a WRN-{cfg['depth']}-"
-             f"{cfg['width']} family on Fashion-MNIST, each configuration trained on "
-             f"{cfg['train']:,} images in batches of {cfg['batch']} with seeds "
-             f"{' and '.join(map(str, cfg['seeds']))}, tested on {cfg['test']:,}; compiled peak "
-             "at batch 100; H100: the same step compiled for an H100 (`memory_grid.json`'s "
-             "`frontier/*` rows, sparse ones without DSR's host callback). Rows on the Pareto "
-             "front are marked."),
+    return part(
+        sources("frontier", "memory_grid", by="benchmarks/quality.py --frontier, memory.py"),
         table(head, rows, 2),
-        "Per memory budget, the most accurate configuration that fits:",
         "\n".join(d["budget_table"]),
-        para("A dense configuration in the combinations' memory more accurate by more than the "
-             f"seeds' spread: {', '.join(beaten) or 'none'}. Longer and renormalised runs:"),
+        goals([("combinations beaten by a dense configuration in their memory, by more than "
+                "the seeds' spread", ", ".join(beaten) or "none", "none", not beaten)]),
         table(["configuration", "uses", "test accuracy", "spread (2 seeds)"], more, 2),
-    ])  # fmt: skip
+    )  # fmt: skip
 
 
 # A section's marker is its function's name, with hyphens.
 SECTIONS: dict[str, Callable[[], str]] = {f.__name__.replace("_", "-"): f for f in (
-    main_job_setup, short_example_time, main_job, checkpoint, shard, sparse, sparse_bits,
-    sparse_quality, guide, remat, accumulate, precision, data, paper, quality, frontier,
+    main_job_setup, short_example_time, main_job, checkpoint, shard, sparse, sparse_quality,
+    guide, remat, accumulate, precision, data, paper, quality, frontier,
 )}  # fmt: skip
 
 
