@@ -72,14 +72,21 @@ def _unstrided(y: Array) -> Array:
 
 def _rows(h, w, b, targets):
     """Some tokens' whole float32 logits, their log-sum-exps and losses (NaN for an id
-    outside `[0, vocab)`: never clamped or wrapped)."""
+    outside `[0, vocab)`: never clamped or wrapped). The target's logit is its own row's
+    dot product, not read from the logits: then nothing reads them after the softmax's
+    gradient, which XLA writes over them (one logits-sized buffer a step, not two)."""
     z = _logits(h, w, b)
     lse = jax.nn.logsumexp(z, axis=1)
-    picked = jnp.take_along_axis(
-        z, targets[:, None], axis=1, mode="fill", fill_value=jnp.nan,
-        wrap_negative_indices=False,
-    )[:, 0]  # fmt: skip
-    return z, lse, lse - picked
+    return z, lse, lse - _target_logits(h, w, b, targets)
+
+
+def _target_logits(h, w, b, targets):
+    """`(h @ w.T + b)[i, targets[i]]` for each row `i`, from the targets' rows of the head."""
+    valid = (targets >= 0) & (targets < w.shape[0])
+    ids = jnp.where(valid, targets, 0)
+    z = jnp.einsum("td,td->t", h, w[ids].astype(h.dtype), preferred_element_type=jnp.float32)
+    z = z if b is None else z + b[ids].astype(jnp.float32)
+    return jnp.where(valid, z, jnp.nan)
 
 
 def _losses(h, w, b, targets, steps):
