@@ -13,7 +13,6 @@ WRN update only 1.2x faster on two cores than on one.
     python benchmarks/quality.py --select-lr      # the rate, on held-out training images
     python benchmarks/quality.py --ablation       # each technique alone, seed 0
     python benchmarks/quality.py --sparse-variants  # DSR's settings, held out
-    python benchmarks/quality.py --timing-only    # step times only
     python benchmarks/quality.py --frontier       # accuracy against compiled memory (45 min)
     python benchmarks/quality.py --optimizer-state  # Adam's state in 32, 16, 8 bits: the loss
     python benchmarks/quality.py --quick [--frontier]  # a smoke test
@@ -41,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     RESULTS,
     compiled_memory,
-    interleaved,
     pinned_worker,
     pyplot,
     run_pinned,
@@ -256,32 +254,6 @@ def train_one(name, seed, cfg, data, step, opts) -> dict:
            "seconds": time.perf_counter() - t0}  # fmt: skip
     if opts["density"] is not None:
         out["density"] = float(el.sparse.density(ts.model))
-    return out
-
-
-def time_steps(cfg: dict, data: tuple, steps: int = 5) -> dict:
-    """The first call's seconds and the median of `steps` more (FP32; FP16 and bf16 combined)."""
-    import jax
-    import jax.numpy as jnp
-
-    (x, y), _ = data
-    batch, out = (jnp.asarray(x[: cfg["batch"]]), jnp.asarray(y[: cfg["batch"]])), {}
-    rows = {"baseline_fp32": ("baseline_fp32", None), "combined_fp16": ("combined", "mixed_fp16"),
-            "combined_bf16": ("combined", "mixed_bf16")}  # fmt: skip
-    for row, (name, precision) in rows.items():
-        step = make_config_step(name, cfg, precision)
-        holder = [init_state(name, 0, cfg, step)]
-
-        def update(step=step, holder=holder):
-            holder[0], metrics = step(holder[0], batch)
-            jax.block_until_ready(metrics)
-
-        t0 = time.perf_counter()
-        update()
-        first = time.perf_counter() - t0
-        wall = interleaved({row: update}, steps)[row]
-        out[row] = {"first_call_s": first, "step_s": statistics.median(wall)}
-        print(f"{row}: first call {first:.1f} s, step {out[row]['step_s']:.3f} s", flush=True)
     return out
 
 
@@ -554,8 +526,7 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-    for flag in ("select-lr", "ablation", "sparse-variants", "timing-only", "frontier",
-                 "optimizer-state"):  # fmt: skip
+    for flag in ("select-lr", "ablation", "sparse-variants", "frontier", "optimizer-state"):
         p.add_argument(f"--{flag}", action="store_true", help="a run of the docstring")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and plot")
     p.add_argument("--name", help="file name of the JSON and plot (default: the run's)")
@@ -582,10 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     for field in ("depth", "width", "train", "test", "epochs", "batch", "seeds", "lr"):
         if getattr(args, field) is not None:
             cfg[field] = getattr(args, field)
-    if args.timing_only:
-        data = load_data({**cfg, "train": cfg["batch"], "test": cfg["batch"]})
-        result, name = {"config": cfg, "steps": time_steps(cfg, data)}, "paper_quality_timing"
-    elif args.select_lr:
+    if args.select_lr:
         result, name = select_lr(cfg, args.lrs or LR_CANDIDATES, args.workers), "paper_quality_lr"
     elif args.ablation:
         result, name = run_seed0(cfg, ABLATIONS, args.workers), "paper_quality_ablation"

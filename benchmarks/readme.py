@@ -410,6 +410,10 @@ def paper() -> str:
     )  # fmt: skip
 
 
+# `quality.py --timing-only` (step times alone) lives at this commit, retired after it.
+TIMING_COMMIT = "6196cc4"
+
+
 def quality() -> str:
     """The paper's accuracy comparison: every run of `quality.py`, one row each."""
     d, sel = result("paper_quality"), result("paper_quality_lr")
@@ -440,7 +444,8 @@ def quality() -> str:
              ", ".join(str(r["skipped_updates"]) for r in comb.values()), "", None),
             (f"the script's time on {d['environment']['cpu_count']} cores", f"{wall:,.0f} s",
              "at most 30 minutes", wall <= 1800),
-            *((f"seconds per update, {what} (`--timing-only`, {cite('paper_quality_timing')})",
+            *((f"seconds per update, {what} ({cite('paper_quality_timing')}: measured by "
+               f"`quality.py --timing-only` at commit {TIMING_COMMIT}, since retired)",
                f"{t[k]['step_s']:.2f} s", "", None)
               for k, what in (("baseline_fp32", "FP32"), ("combined_fp16", "the combination in "
                                "FP16"), ("combined_bf16", "the combination in bf16"))),
