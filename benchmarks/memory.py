@@ -387,8 +387,8 @@ def frontier_row(name: str, smoke: bool) -> dict:
              jax.ShapeDtypeStruct((cfg["batch"],), jnp.int32))  # fmt: skip
 
     def peak(opts, mesh=None):
-        step = quality.make_config_step(name, cfg, opts=opts, mesh=mesh)
-        state = eqx.filter_eval_shape(lambda: quality.init_state(name, 0, cfg, step, opts))
+        step = quality.make_config_step(cfg, opts, mesh)
+        state = eqx.filter_eval_shape(lambda: quality.init_state(0, cfg, step, opts))
         return compiled_memory(step.lower(state, batch).compile())["peak"]
 
     opts = quality.ALL_CONFIGS[name]

@@ -10,12 +10,14 @@ train side by side, one worker process each pinned to its own core: XLA:CPU runs
 WRN update only 1.2x faster on two cores than on one.
 
     python benchmarks/quality.py                  # the comparison: paper_quality.json
-    python benchmarks/quality.py --select-lr      # the rate, on held-out training images
-    python benchmarks/quality.py --ablation       # each technique alone, seed 0
-    python benchmarks/quality.py --sparse-variants  # DSR's settings, held out
     python benchmarks/quality.py --frontier       # accuracy against compiled memory (45 min)
-    python benchmarks/quality.py --optimizer-state  # Adam's state in 32, 16, 8 bits: the loss
     python benchmarks/quality.py --quick [--frontier]  # a smoke test
+
+The learning rate (`paper_quality_lr.json`: chosen on held-out training images), each
+technique alone (`paper_quality_ablation.json`), DSR's settings (`paper_quality_sparse.json`)
+and the 8-bit optimizer state's loss curves were one-off runs of this script's
+`--select-lr`, `--ablation`, `--sparse-variants` and `--optimizer-state`, retired after
+commit 837811e: check that commit out to run them again.
 
 `--frontier` trains a WRN-10-2 family over a grid of the techniques, alone and combined
 (micro-batches of 10, 2 and 1), and smaller dense models, for 240 updates (`--configs`,
@@ -52,30 +54,14 @@ _START = time.perf_counter()
 MB = 1e6
 # 2 seeds x 1,800 updates (the whole training set, 3 epochs): 1,391 s on the 2 cores.
 QUALITY = {"depth": 10, "width": 1, "train": 60_000, "test": 10_000, "epochs": 3,
-           "seeds": [0, 1], "batch": 100, "lr": 0.2}  # lr: `--select-lr`, 2026-12-02  # fmt: skip
+           "seeds": [0, 1], "batch": 100, "lr": 0.2}  # lr: `paper_quality_lr.json`  # fmt: skip
 QUALITY_QUICK = {**QUALITY, "train": 400, "test": 200, "epochs": 1, "seeds": [0]}
-LR_CANDIDATES = [0.05, 0.1, 0.2, 0.4]
-VALIDATION_SEED = 123
-FASHION_TRAIN = 60_000
 _FP32 = {"precision": "float32", "remat": False, "accumulate": 1, "density": None}
 QUALITY_CONFIGS = {
     "baseline_fp32": _FP32,
     "combined": {"precision": "mixed_fp16", "remat": "checkpoint-residual-1", "accumulate": 10,
                  "density": 0.3},
 }  # fmt: skip
-_COMB = QUALITY_CONFIGS["combined"]
-# Each technique alone, and the combination without its sparsity (`--ablation`, seed 0).
-ABLATIONS = {"fp16": {**_FP32, "precision": "mixed_fp16"}, "sparse30": {**_FP32, "density": 0.3},
-             "micro10": {**_FP32, "accumulate": 10},
-             "combined_dense": {**_COMB, "density": None}}  # fmt: skip
-# The combination with DSR's settings changed (`--sparse-variants`, held out): defaults are
-# distribution "uniform", slack 0.1, rewiring on and `dsr`'s own fraction (0.01).
-SPARSE_VARIANTS = {"combined": _COMB, "combined_dense": ABLATIONS["combined_dense"],
-                   "combined_erk": {**_COMB, "distribution": "erk"},
-                   "combined_slack05": {**_COMB, "slack": 0.5},
-                   "combined_static": {**_COMB, "rewire": False},
-                   "combined_fraction_0.003": {**_COMB, "dsr_fraction": 0.003}}  # fmt: skip
-
 # The frontier: WRN-10-2 (303,418 weights), 240 updates of 100 per seed (about 40 minutes).
 FRONTIER = {**QUALITY, "width": 2, "train": 24_000, "epochs": 1}
 FRONTIER_QUICK = {**FRONTIER, "train": 40, "test": 100, "batch": 20}
@@ -114,10 +100,6 @@ COMBINATIONS = ["combined", "combined_micro2", "combined_micro1"]  # the goal: d
 NOTES = ["checkpoint-residual-3 is checkpoint-residual-1 on one block per group"]
 
 
-def _opts(name: str) -> dict:
-    return {**QUALITY_CONFIGS, **ABLATIONS, **SPARSE_VARIANTS}[name]
-
-
 # ------------------------------------------------------------------------ data and steps
 
 
@@ -132,26 +114,9 @@ def _images(split: str, n: int | None = None) -> tuple[Any, Any]:
 
 
 def load_data(cfg: dict) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
-    """`((x_train, y_train), (x_eval, y_eval))`: the first `cfg["train"]` training and
-    `cfg["test"]` test images; with `cfg["validation"]`, `cfg["test"]` training images held
-    out at random for evaluation and `cfg["train"]` of the others, the test set untouched."""
-    if not cfg.get("validation"):
-        return _images("train", cfg["train"]), _images("test", cfg["test"])
-    x, y = _images("train")
-    if cfg["train"] + cfg["test"] > len(x):
-        raise ValueError(f"a validation run needs train + test <= {len(x):,} training images, "
-                         f"got train={cfg['train']:,} and test={cfg['test']:,}.")  # fmt: skip
-    rest, held = validation_split(len(x), cfg["test"], cfg["train"])
-    return (x[rest], y[rest]), (x[held], y[held])
-
-
-def validation_split(total: int, held: int, train: int) -> tuple[Any, Any]:
-    """Indices into `total` training images: `train` to train on (ascending) and `held`
-    others held out, drawn at random with `VALIDATION_SEED`."""
-    import numpy as np
-
-    order = np.random.default_rng(VALIDATION_SEED).permutation(total)
-    return np.sort(order[held:])[:train], order[:held]
+    """`((x_train, y_train), (x_test, y_test))`: the first `cfg["train"]` training and
+    `cfg["test"]` test images."""
+    return _images("train", cfg["train"]), _images("test", cfg["test"])
 
 
 def total_steps(cfg: dict) -> int:
@@ -164,35 +129,32 @@ def dsr_period(total: int) -> int:
     return max(1, min(100, round(0.375 * total / 10)))
 
 
-def make_config_step(name: str, cfg: dict, precision=None, opts=None, mesh=None) -> Any:
-    """The training step of one configuration (`precision` overrides its own; `opts` its
-    settings when `name` is not one of the comparison's; `mesh` places it)."""
+def make_config_step(cfg: dict, opts: dict, mesh=None) -> Any:
+    """The training step of the configuration `opts` (`mesh` places it)."""
     import jax.numpy as jnp
     import optax
     from _steps import wrn_loss
 
     import eqx_lowmem as el
 
-    opts, total = _opts(name) if opts is None else opts, total_steps(cfg)
-    after_update = None
+    total, after_update = total_steps(cfg), None
     if opts["density"] is not None and opts.get("rewire", True):
-        fraction = {"fraction": opts["dsr_fraction"]} if "dsr_fraction" in opts else {}
-        after_update = el.sparse.dsr(period=dsr_period(total), total_steps=total, **fraction)
-    schedule = optax.cosine_decay_schedule(opts.get("lr", cfg["lr"]), max(total, 1))
+        after_update = el.sparse.dsr(period=dsr_period(total), total_steps=total)
+    schedule = optax.cosine_decay_schedule(cfg["lr"], max(total, 1))
     optimizer = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(schedule, momentum=0.9))
     dtype = jnp.dtype(opts.get("accumulate_dtype", "float32"))
     return el.train.make_step(wrn_loss, optimizer, has_state=True, accumulate=opts["accumulate"],
-                              precision=precision or opts["precision"], accumulate_dtype=dtype,
+                              precision=opts["precision"], accumulate_dtype=dtype,
                               after_update=after_update, mesh=mesh)  # fmt: skip
 
 
-def init_state(name: str, seed: int, cfg: dict, step: Any, opts: dict | None = None) -> Any:
+def init_state(seed: int, cfg: dict, step: Any, opts: dict) -> Any:
     """The initial state of one configuration and seed: per seed the same dense weights in
     every configuration of one architecture (`opts` may set `depth` and `width`)."""
     import jax.random as jr
     from _steps import wide_resnet
 
-    opts, key = _opts(name) if opts is None else opts, jr.PRNGKey(seed)
+    key = jr.PRNGKey(seed)
     depth, width = opts.get("depth", cfg["depth"]), opts.get("width", cfg["width"])
     model, state = wide_resnet({"slack": 0.1, **opts}, depth, width, key, in_channels=1)
     return step.init(model, key=jr.fold_in(key, 2), model_state=state)
@@ -225,7 +187,7 @@ def train_one(name, seed, cfg, data, step, opts) -> dict:
     import eqx_lowmem as el
 
     (x_train, y_train), (x_test, y_test) = data
-    ts = init_state(name, seed, cfg, step, opts)
+    ts = init_state(seed, cfg, step, opts)
     predict = eqx.filter_jit(_predict)
     if opts.get("eval_stats") == "micro_batch":  # BatchNorm evaluated as it trained
         predict = functools.partial(_predict, micro_batch=cfg["batch"] // opts["accumulate"])
@@ -273,9 +235,9 @@ def _train_spec(spec: dict) -> dict:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     data, out = load_data(cfg), {}
-    step = make_config_step(name, cfg, opts=opts)
+    step = make_config_step(cfg, opts)
     if spec["memory"]:
-        state, t0 = init_state(name, cfg["seeds"][0], cfg, step, opts), time.perf_counter()
+        state, t0 = init_state(cfg["seeds"][0], cfg, step, opts), time.perf_counter()
         (x, y), _ = data
         batch = (jnp.asarray(x[: cfg["batch"]]), jnp.asarray(y[: cfg["batch"]]))
         out["memory"] = compiled_memory(step.lower(state, batch).compile())
@@ -321,36 +283,6 @@ def run_quality(cfg: dict, precision=None, workers=None) -> dict:
             "runs": runs, "final_mean_accuracy": final, "gap_points": gap,
             "within_half_a_point": bool(gap <= 0.5),
             "run_seconds": time.perf_counter() - t0}  # fmt: skip
-
-
-def run_seed0(cfg: dict, rows: dict, workers=None, held=False) -> dict:
-    """Each configuration of `rows` on `cfg`'s first seed, a worker each; with `held`, scored
-    on `cfg["test"]` training images held out (the accuracy named `validation_accuracy`)."""
-    cfg = {**cfg, "seeds": cfg["seeds"][:1]}
-    if held:
-        cfg |= {"train": min(cfg["train"], FASHION_TRAIN - cfg["test"]), "validation": True}
-    t0 = time.perf_counter()
-    out, workers = run_rows(cfg, rows, workers)
-    runs = {n: o["runs"] for n, o in out.items()}
-    for run in (r for by_seed in runs.values() for r in by_seed.values()) if held else ():
-        run["validation_accuracy"] = run.pop("test_accuracy")
-    return {"config": cfg, "configs": rows, "workers": workers, "runs": runs,
-            "run_seconds": time.perf_counter() - t0}  # fmt: skip
-
-
-def select_lr(cfg: dict, candidates: list[float], workers=None) -> dict:
-    """The rate, before any test image is seen: the FP32 baseline's best on held-out images."""
-    rows = {str(lr): {**QUALITY_CONFIGS["baseline_fp32"], "lr": lr} for lr in candidates}
-    out = run_seed0(cfg, rows, workers, held=True)
-    seed = str(out["config"]["seeds"][0])
-    runs = {lr: by_seed[seed] for lr, by_seed in out["runs"].items()}
-    accuracy = {lr: run["validation_accuracy"][-1] for lr, run in runs.items()}
-    best = max(candidates, key=lambda lr: accuracy[str(lr)])  # the first of any tie
-    return {"rule": "the FP32 dense baseline's final accuracy on held-out training images",
-            "config": out["config"], "validation_seed": VALIDATION_SEED,
-            "candidates": list(candidates), "runs": runs, "validation_accuracy": accuracy,
-            "selected_lr": best, "workers": out["workers"],
-            "run_seconds": out["run_seconds"]}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ frontier
@@ -440,55 +372,6 @@ def run_frontier(cfg: dict, names: list[str], workers=None) -> dict:
     return result
 
 
-# ------------------------------------------------------------------------ optimizer state
-
-
-def optimizer_state_loss(updates: int, seeds=(0, 1)) -> dict:
-    """`--optimizer-state`: Adam's state in float32, 16 bits (`half_state`) and 8 bits
-    (`quantized_state`) on the small character LM (`_steps.char_lm`) trained on the standard
-    library's source (the main example's corpus, nothing downloaded), over the same batches
-    in the same order per seed: the loss per update and the held-out loss at the end. Goal
-    (issue 39): the 8-bit state's held-out loss within the float32 seeds' spread. Its bytes
-    and compiled peaks are `memory.py`'s `optimizer_state/*` rows, its step times
-    `speed.py`'s (`optimizer_state.json` of 2026-12-04 holds all three, measured before)."""
-    import importlib.util
-
-    import equinox as eqx
-    import jax.numpy as jnp
-    import jax.random as jr
-    import numpy as np
-    from _steps import CHAR_LM_SMALL, OPTIMIZERS, char_lm, char_loss, lm_mean_loss
-
-    import eqx_lowmem as el
-
-    example = Path(__file__).resolve().parents[1] / "examples" / "train_char_lm.py"
-    spec = importlib.util.spec_from_file_location("train_char_lm", example)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg, text = CHAR_LM_SMALL, np.frombuffer(module.stdlib_text(400_000), np.uint8)
-    windows = text[: len(text) // (cfg["seq"] + 1) * (cfg["seq"] + 1)].astype(np.int32)
-    data = windows.reshape(-1, cfg["seq"] + 1)
-    data, held_out, curves = data[:-256], data[-256:], {}
-    for seed in seeds:
-        order = np.random.default_rng(seed).integers(0, len(data), (updates, cfg["batch"]))
-        for name, make in OPTIMIZERS.items():
-            step = el.train.make_step(char_loss, make())
-            state = step.init(char_lm(cfg, jr.PRNGKey(seed)), key=jr.PRNGKey(seed + 100))
-            losses = []
-            for rows in order:
-                state, info = step(state, (jnp.asarray(data[rows]),))
-                losses.append(float(info["loss"]))
-            held = eqx.filter_jit(lm_mean_loss)(state.model, held_out, "auto")
-            curves.setdefault(name, []).append({"seed": seed, "losses": losses,
-                                                "held_out": float(held)})  # fmt: skip
-    held = {n: [r["held_out"] for r in rows] for n, rows in curves.items()}
-    spread = abs(held["float32"][0] - held["float32"][1])
-    gap = abs(np.mean(held["8bit"]) - np.mean(held["float32"]))
-    summary = {"held_out_loss": held, "held_out_gap_8bit_vs_float32": gap,
-               "float32_seed_spread": spread, "loss_goal_met": bool(gap <= spread)}  # fmt: skip
-    return {"summary": summary, "small": cfg, "updates": updates, "curves": curves}
-
-
 # ---------------------------------------------------------------------------------- plots
 
 
@@ -526,8 +409,7 @@ def plot(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-    for flag in ("select-lr", "ablation", "sparse-variants", "frontier", "optimizer-state"):
-        p.add_argument(f"--{flag}", action="store_true", help="a run of the docstring")
+    p.add_argument("--frontier", action="store_true", help="accuracy against memory")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and plot")
     p.add_argument("--name", help="file name of the JSON and plot (default: the run's)")
     p.add_argument("--precision", help="the combination's precision (default mixed_fp16)")
@@ -535,8 +417,6 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{field}", type=int, help=f"override the configuration's {field}")
     p.add_argument("--seeds", type=int, nargs="+", help="override the configuration's seeds")
     p.add_argument("--lr", type=float, help="override the configuration's learning rate")
-    p.add_argument("--lrs", type=float, nargs="+", help=f"--select-lr's rates {LR_CANDIDATES}")
-    p.add_argument("--updates", type=int, default=300, help="--optimizer-state's updates")
     p.add_argument("--configs", nargs="+", choices=list(ALL_CONFIGS), help="frontier rows")
     p.add_argument("--workers", type=int, help="processes, one core each (1: all here)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -545,26 +425,14 @@ def main(argv: list[str] | None = None) -> int:
         return pinned_worker(args.worker, _train_spec)
     if args.workers is not None and args.workers < 1:
         p.error(f"--workers must be at least 1, got {args.workers}")
-    for rate in [r for r in [args.lr, *(args.lrs or [])] if r is not None]:
-        if not rate > 0:
-            p.error(f"learning rates must be positive, got {rate}")
+    if args.lr is not None and not args.lr > 0:
+        p.error(f"--lr must be positive, got {args.lr}")
     cfg = dict((FRONTIER_QUICK if args.quick else FRONTIER) if args.frontier
                else (QUALITY_QUICK if args.quick else QUALITY))  # fmt: skip
     for field in ("depth", "width", "train", "test", "epochs", "batch", "seeds", "lr"):
         if getattr(args, field) is not None:
             cfg[field] = getattr(args, field)
-    if args.select_lr:
-        result, name = select_lr(cfg, args.lrs or LR_CANDIDATES, args.workers), "paper_quality_lr"
-    elif args.ablation:
-        result, name = run_seed0(cfg, ABLATIONS, args.workers), "paper_quality_ablation"
-    elif args.sparse_variants:
-        result = run_seed0(cfg, SPARSE_VARIANTS, args.workers, held=True)
-        result["validation_seed"], name = VALIDATION_SEED, "paper_quality_sparse"
-    elif args.optimizer_state:
-        updates = 2 if args.quick else args.updates
-        result, name = optimizer_state_loss(updates), "optimizer_state_loss"
-        print(json.dumps(result["summary"], indent=1))
-    elif args.frontier:
+    if args.frontier:
         names = args.configs or (QUICK_CONFIGS if args.quick else list(CONFIGS))
         result, name = run_frontier(cfg, names, args.workers), "frontier"
         print("\n".join(result["budget_table"]))
@@ -574,8 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_seconds"] = time.perf_counter() - _START  # imports and data included
     name = (args.name or name) + ("_quick" if args.quick else "")
     write_json(name, result, args.out)
-    if "rows" in result or "final_mean_accuracy" in result:
-        plot(result, args.out / f"{name}.png")
+    plot(result, args.out / f"{name}.png")
     print(f"wrote {args.out / name}.json in {result['wall_seconds']:.0f} s")
     return 0
 

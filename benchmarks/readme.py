@@ -41,9 +41,15 @@ def grid() -> dict:
     return result("memory_grid")["rows"]
 
 
+# JSON files of runs the scripts no longer make: the last commit that had each.
+RETIRED = {"paper_quality_timing": "6196cc4", "paper_quality_lr": "837811e",
+           "paper_quality_ablation": "837811e", "paper_quality_sparse": "837811e"}  # fmt: skip
+
+
 def cite(name: str) -> str:
-    """A figure's source: its JSON and the day it was measured."""
-    return f"`{name}.json`, {result(name)['environment']['date'][:10]}"
+    """A figure's source: its JSON and the day it was measured (and a retired run's commit)."""
+    retired = f", a run retired after commit {RETIRED[name]}" if name in RETIRED else ""
+    return f"`{name}.json`, {result(name)['environment']['date'][:10]}{retired}"
 
 
 def sources(*names: str, by: str = "", note: str = "") -> str:
@@ -410,45 +416,36 @@ def paper() -> str:
     )  # fmt: skip
 
 
-# `quality.py --timing-only` (step times alone) lives at this commit, retired after it.
-TIMING_COMMIT = "6196cc4"
-
-
 def quality() -> str:
     """The paper's accuracy comparison: every run of `quality.py`, one row each."""
-    d, sel = result("paper_quality"), result("paper_quality_lr")
-    rows = [[f"learning rate {lr} (held out, `paper_quality_lr.json`)", "FP32 dense",
-             f"{pc(acc(sel['runs'][str(lr)]))}%", ""] for lr in sel["candidates"]]  # fmt: skip
-    for name, label in (("paper_quality", "3 epochs"), ("paper_quality_6epochs", "6 epochs"),
-                        ("paper_quality_ablation", "ablation"),
-                        ("paper_quality_sparse", "DSR variants (held out)")):  # fmt: skip
+    d, sel, t = (result(n) for n in ("paper_quality", "paper_quality_lr", "paper_quality_timing"))
+    runs = {"3 epochs": "paper_quality", "6 epochs": "paper_quality_6epochs", "ablation":
+            "paper_quality_ablation", "DSR variants, held out": "paper_quality_sparse"}  # fmt: skip
+    rows = [[f"learning rate {lr}, held out", "FP32 dense", f"{pc(acc(sel['runs'][str(lr)]))}%",
+             ""] for lr in sel["candidates"]]  # fmt: skip
+    for label, name in runs.items():
         for config, seeds in result(name)["runs"].items():
             each = " and ".join(f"{pc(acc(s))}%" for s in seeds.values())
             mean = f"{pc(acc(*seeds.values()))}%" if len(seeds) > 1 else ""
-            rows.append([f"{label} ({cite(name)})", config, each, mean])
-    gaps = [(n, acc(*result(n)["runs"]["baseline_fp32"].values())
-             - acc(*result(n)["runs"]["combined"].values()))
-            for n in ("paper_quality", "paper_quality_6epochs")]  # fmt: skip
-    t, comb, wall = (
-        result("paper_quality_timing")["steps"],
-        d["runs"]["combined"],
-        d["wall_seconds"],
-    )
+            rows.append([label, config, each, mean])
+    gaps = {n: acc(*result(n)["runs"]["baseline_fp32"].values())
+            - acc(*result(n)["runs"]["combined"].values())
+            for n in ("paper_quality", "paper_quality_6epochs")}  # fmt: skip
+    wall, times = d["wall_seconds"], (("baseline_fp32", "FP32"), ("combined_fp16",
+              "the combination in FP16"), ("combined_bf16", "the combination in bf16"))  # fmt: skip
     return part(
-        sources("paper_quality", by="benchmarks/quality.py", note="test accuracy per seed"),
+        sources(*runs.values(), "paper_quality_lr", "paper_quality_timing",
+                by="benchmarks/quality.py", note="test accuracy per seed"),
         table(["run", "configuration", "accuracy per seed", "mean"], rows, 2),
         goals([
             *((f"the combination's gap to FP32 (`{n}.json`)", f"{pc(v)} points",
-               "at most 0.5 points", v <= Decimal("0.5")) for n, v in gaps),
-            ("updates the loss scale skipped, per run",
-             ", ".join(str(r["skipped_updates"]) for r in comb.values()), "", None),
+               "at most 0.5 points", v <= Decimal("0.5")) for n, v in gaps.items()),
+            ("updates the loss scale skipped, per run", ", ".join(
+                str(r["skipped_updates"]) for r in d["runs"]["combined"].values()), "", None),
             (f"the script's time on {d['environment']['cpu_count']} cores", f"{wall:,.0f} s",
              "at most 30 minutes", wall <= 1800),
-            *((f"seconds per update, {what} ({cite('paper_quality_timing')}: measured by "
-               f"`quality.py --timing-only` at commit {TIMING_COMMIT}, since retired)",
-               f"{t[k]['step_s']:.2f} s", "", None)
-              for k, what in (("baseline_fp32", "FP32"), ("combined_fp16", "the combination in "
-                               "FP16"), ("combined_bf16", "the combination in bf16"))),
+            *((f"seconds per update, {what} (`paper_quality_timing.json`)",
+               f"{t['steps'][k]['step_s']:.2f} s", "", None) for k, what in times),
         ]),
     )  # fmt: skip
 

@@ -73,14 +73,14 @@ def test_every_configuration_of_the_grid_reaches_its_step_and_model():
     cfg = frontier.FRONTIER_QUICK
     assert len(frontier.CONFIGS) >= 10 and set(frontier.COMBINATIONS) <= set(frontier.CONFIGS)
     for name, opts in frontier.CONFIGS.items():
-        step = frontier.make_config_step(name, cfg, opts=opts)
+        step = frontier.make_config_step(cfg, opts)
         c = step.config
         assert c.accumulate == opts["accumulate"], name
         assert c.accumulate_dtype == jnp.dtype(opts.get("accumulate_dtype", "float32")), name
         half = opts["precision"] == "half_fp16"
         assert c.policy.param_dtype == (jnp.float16 if half else jnp.float32), name
         assert (c.after_update is not None) == (opts["density"] is not None), name
-        model = frontier.init_state(name, 0, cfg, step, opts).model
+        model = frontier.init_state(0, cfg, step, opts).model
         assert model.depth == opts.get("depth", cfg["depth"]), name
         assert model.width == opts.get("width", cfg["width"]), name
         density = el.sparse.density(model) if opts["density"] is not None else None
