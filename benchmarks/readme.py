@@ -115,34 +115,25 @@ EXAMPLE_TIMES = {"CPU time": "{cpu_s:,.0f} s", "wall time": "{wall_s:,.0f} s",
                  "load average at the start": "{load:.1f}"}  # fmt: skip
 
 
-def _example(run: str, label: str) -> str:
+def _example(run: str, label: str, columns: dict[str, str], note: str = "") -> str:
     r = result("examples")[run]
-    row = {**r, "load": r["load_before"][0]}
-    columns = {"updates": "{updates}"} if "updates" in r else {}
-    columns |= EXAMPLE_TIMES
     return part(
-        sources("examples", by="benchmarks/examples.py", note="2 CPU cores shared with other work"),
-        spec_table("run", columns, {label: row}),
+        sources("examples", by="benchmarks/examples.py", note=f"2 CPU cores, shared{note}"),
+        spec_table("run", columns | EXAMPLE_TIMES, {label: {**r, "load": r["load_before"][0]}}),
     )
-
-
-def main_job_setup() -> str:
-    return _example("main_job", "the main job")
-
-
-def short_example_time() -> str:
-    return _example("short_example", "the short example (mostly compiling)")
 
 
 def main_job() -> str:
-    m = result("examples")["main_job"]
+    """`examples/train_char_lm.py` at its defaults: its evaluation loss against the text's
+    unigram entropy, and its time."""
     columns = {"updates": "{updates}", "evaluation loss": "{final_eval_loss:.3f}",
                "unigram entropy": "{unigram_entropy:.3f}", "training": "{train_seconds:,.0f} s",
-               "CPU time": "{cpu_s:,.0f} s", "wall time": "{wall_s:,.0f} s"}  # fmt: skip
-    return part(
-        sources("examples", by="benchmarks/examples.py", note="2 CPU cores, nats per character"),
-        spec_table("run", columns, {"`examples/train_char_lm.py`, default settings": m}),
-    )
+               }  # fmt: skip
+    return _example("main_job", "the main job", columns, "; losses in nats per character")
+
+
+def short_example_time() -> str:
+    return _example("short_example", "the short example (mostly compiling)", {})
 
 
 # ---------------------------------------------------------------- checkpoints and shards
@@ -309,8 +300,8 @@ def precision() -> str:
 
 def data() -> str:
     d, p = result("stream"), result("speed_stream")
-    mix, prefetch, sizes = d["mixing"], p["goals"]["stream_vs_resident"], ("64KiB", "1KiB")
-    rates, dist = [d[f"rates_{k}"]["methods"] for k in sizes], mix["distinct_classes_per_batch"]
+    prefetch, sizes = p["goals"]["stream_vs_resident"], ("64KiB", "1KiB")
+    rates = [d[f"rates_{k}"]["methods"] for k in sizes]
     rows = [[n, *(f"{r[n]['vs_in_order']:.2f}x" for r in rates)]
             for n in ("bounded_shuffle_512", "global_shuffle")]  # fmt: skip
     rows.append(["global shuffle, `safe_reads` (a lease) vs NumPy's copy",
@@ -318,8 +309,6 @@ def data() -> str:
     safe = min(d["achieved"][f"safe_vs_plain_reads_{k}"] for k in sizes)
     # rounded down, as the goal compares: 4.9999 is not 5.0
     grain = math.floor(10 * d["achieved"]["shuffled_vs_grain"]) / 10
-    classes = f"distinct classes per batch of {mix['batch']}, {mix['samples']:,} samples " \
-              f"sorted into {mix['classes']} classes"  # fmt: skip
     return part(
         sources("stream", "speed_stream", by="benchmarks/stream.py, speed.py --only stream/",
                 note=f"rates against reading in order, batch {d['batch']}, {d['samples']:,} "
@@ -331,11 +320,6 @@ def data() -> str:
              all(d["goals_met"][f"safe_vs_plain_reads_{k}"] for k in sizes)),
             ("shuffled reads against grain's fastest shuffled setting", f"{grain:.1f}x",
              f"at least {d['goals']['shuffled_vs_grain']}x", d["goals_met"]["shuffled_vs_grain"]),
-            (f"{classes}: a buffer of {mix['buffer']:,}",
-             f"{dist['bounded_shuffle_1000']:.2f}", "", None),
-            (f"{classes}: a full shuffle", f"{dist['full_random']:.2f}", "", None),
-            (f"{classes}: a sliding buffer of samples", f"{dist['sliding_sample_buffer_1000']:.2f}",
-             "", None),
             ("a step fed by `prefetch()` against batches already on the device (updates per "
              "second; on the CPU the reading thread and the step share the 2 cores)",
              x(prefetch["ratio"]), f"at least {prefetch['goal'][3:]}x on a GPU",
@@ -474,7 +458,7 @@ def frontier() -> str:
 
 # A section's marker is its function's name, with hyphens.
 SECTIONS: dict[str, Callable[[], str]] = {f.__name__.replace("_", "-"): f for f in (
-    main_job_setup, short_example_time, main_job, checkpoint, shard, sparse, sparse_quality,
+    main_job, short_example_time, checkpoint, shard, sparse, sparse_quality,
     guide, remat, accumulate, precision, data, paper, quality, frontier,
 )}  # fmt: skip
 

@@ -1,12 +1,14 @@
-"""Streaming rates of DataStream from a `.npy` memory map, side by side, and shuffle quality.
+"""Streaming rates of DataStream from a `.npy` memory map, side by side.
 
 Reads 6400 float32 samples of 64 KiB (shape (256, 64)) and of 1 KiB (shape (256,)) from a
 `.npy` file in batches of 32, every batch copied out of the file, with a warm page cache:
 in order, bounded shuffle (buffer 512), global shuffle, the global shuffle copied by NumPy
 from the mapping (`safe_reads=False`: what safe reads cost) and grain's
-`MapDataset.shuffle().batch()` where grain is installed. Then the mixing of data sorted by
-label. (A step fed by `stream.prefetch()` against batches already on the device is the speed
-grid's `stream/*` group: `python benchmarks/speed.py --only stream/`.)
+`MapDataset.shuffle().batch()` where grain is installed. (A step fed by `stream.prefetch()`
+against batches already on the device is the speed grid's `stream/*` group: `python
+benchmarks/speed.py --only stream/`. How a bounded shuffle mixes data stored sorted by
+label is deterministic, so `tests/test_data_shuffle.py` checks it; this script measured it
+until commit c02c0aa, `stream.json`'s `mixing`.)
 
     python benchmarks/stream.py            # writes benchmarks/results/stream.json
 """
@@ -29,7 +31,7 @@ N, BATCH, BUFFER = 6400, 32, 512
 SHAPES = {"64KiB": (256, 64), "1KiB": (256,)}
 GOALS = {"shuffled_vs_in_order_64KiB": 0.9, "shuffled_vs_in_order_1KiB": 0.5,
          "safe_vs_plain_reads_64KiB": 0.9, "safe_vs_plain_reads_1KiB": 0.9,
-         "shuffled_vs_grain": 5.0, "distinct_classes_bounded": 9.3}  # fmt: skip
+         "shuffled_vs_grain": 5.0}  # fmt: skip
 # Each timing is the median of at least this much time in epochs: an epoch of 1 KiB samples
 # takes about a millisecond, which one preemption on a shared machine would double.
 MIN_TIMING_S = 0.03
@@ -105,39 +107,6 @@ def measure_rates(path: Path, repeats: int, epochs: int) -> dict:
     return rates
 
 
-def mixing(epochs: int = 3) -> dict:
-    """Distinct classes per batch of 32 over 60,000 samples stored sorted by label."""
-    n, classes, buffer = 60_000, 10, 1000
-    labels = np.repeat(np.arange(classes), n // classes)
-
-    def sliding(seed):  # tf.data / HF datasets style: a buffer of samples, one at a time
-        rng, pool, out = np.random.default_rng(seed), [], []
-        for label in labels:
-            pool.append(label)
-            if len(pool) > buffer:
-                out.append(pool.pop(rng.integers(len(pool))))
-        rng.shuffle(pool)
-        return np.array(out + pool)
-
-    def distinct(batches) -> float:
-        return float(np.mean([np.unique(b).size for b, *_ in batches]))
-
-    def batched(order):
-        return order[: n // BATCH * BATCH].reshape(-1, BATCH)[:, None]
-
-    bounded = DataStream((labels,), BATCH, shuffle_buffer=buffer, key=0, drop_last=True)
-    full = [batched(np.random.default_rng(s).permutation(labels)) for s in range(epochs)]
-    return {
-        "samples": n, "classes": classes, "batch": BATCH, "buffer": buffer, "epochs": epochs,
-        "distinct_classes_per_batch": {
-            "full_random": np.mean([distinct(b) for b in full]),
-            "bounded_shuffle_1000": np.mean([distinct(bounded) for _ in range(epochs)]),
-            "sliding_sample_buffer_1000": np.mean(
-                [distinct(batched(sliding(s))) for s in range(epochs)]),
-        },
-    }  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="rounds over all methods")
@@ -165,13 +134,10 @@ def main() -> None:
             grain = [r for n, r in rate.items() if n.startswith("grain_")]
             if grain and label == "64KiB":
                 achieved["shuffled_vs_grain"] = shuffled / max(grain)
-    results["mixing"] = mixing()
-    distinct = results["mixing"]["distinct_classes_per_batch"]
-    achieved["distinct_classes_bounded"] = distinct["bounded_shuffle_1000"]
     results["achieved"] = achieved
     results["goals_met"] = {n: bool(achieved[n] >= g) if n in achieved else None
                             for n, g in GOALS.items()}  # fmt: skip
-    print(f"mixing: {distinct}\nachieved: {achieved}")
+    print(f"achieved: {achieved}")
     print(f"wrote {write_json('stream', results, args.out)}")
 
 
