@@ -1,6 +1,6 @@
 """The benchmark scripts' harness: the environment record, atomic JSON output, timing
-(rounds that interleave what is compared), worker processes (one per configuration, or one
-per core, pinned) and plots.
+(rounds that interleave what is compared), worker processes (fresh, or one per core,
+pinned) and plots.
 
 Every script in `benchmarks/` uses it: `sys.path.insert(0, <benchmarks>)`, then
 `from _common import ...`.
@@ -98,33 +98,7 @@ def compiled_memory(compiled) -> dict[str, int] | None:
     return out
 
 
-MARKER = "RESULT "
-
-
-def spawn(
-    script: str | Path, payload: Any, *, timeout: float, env: dict[str, str] | None = None
-) -> tuple[list[Any], subprocess.CompletedProcess | None]:
-    """Run `script --worker <payload as JSON>` in a fresh Python process (this process's
-    environment, updated with `env`); return the JSON of every stdout line starting with
-    `MARKER`, in order, and the finished process (None when it ran past `timeout`: then the
-    lines printed so far are lost with it)."""
-    cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(payload)]
-    environment = None if env is None else {**os.environ, **env}
-
-    def results(stdout: str) -> list[Any]:
-        return [
-            json.loads(ln[len(MARKER) :]) for ln in stdout.splitlines() if ln.startswith(MARKER)
-        ]
-
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=environment)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return results(out), None
-    return results(proc.stdout), proc
-
-
-# ------------------------------------------------------------------ workers, one per core
+# -------------------------------------------------------------------------------- workers
 
 
 def cores() -> list[int]:
@@ -132,11 +106,6 @@ def cores() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
-
-
-def workers_per_core(jobs: int) -> int:
-    """One worker per job, at most one per core."""
-    return max(1, min(jobs, len(cores())))
 
 
 def launcher(script: str | Path) -> list[str]:
@@ -153,58 +122,66 @@ def launcher(script: str | Path) -> list[str]:
     return [sys.executable]
 
 
-def run_pinned(script: str | Path, specs: list[dict], workers: int) -> list[Any]:
-    """Run `script --worker <spec as JSON>` for each of `specs`, at most `workers` at a time,
-    each process pinned to a core of its own; return what each wrote (`pinned_worker`), in
-    the order of `specs`.
+def run_workers(
+    script: str | Path,
+    specs: list[Any],
+    *,
+    parallel: int = 1,
+    pin: bool = False,
+    timeout: float | None = None,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run `script --worker ...` once per spec, each in a fresh process started the way
+    this one was (`launcher`), with this environment updated by `env`, at most `parallel`
+    at a time and (`pin`) each on a core of its own; return what each worker's `work`
+    returned (`worker_main`), in the order of `specs`.
 
-    For jobs that gain little from a second core each (XLA:CPU runs one small update only
-    about 1.2x faster on two cores than on one): two one-core processes side by side then
-    do about 1.6x the work. Each spec gains `core` and `out` (the worker's JSON file, read
-    back here). The first failure kills the others at once and raises, naming the failed
-    specs' `label` and exit codes.
+    Pinning suits jobs that gain little from a second core each (XLA:CPU runs one small
+    update only about 1.2x faster on two cores than on one): two one-core processes side by
+    side then do about 1.6x the work. The first worker to fail or to run past `timeout`
+    seconds kills the others at once and raises, naming the specs' `label` (a spec's index
+    otherwise) and exit codes; the workers' own output goes to this process's.
     """
     launch = [*launcher(script), str(Path(script).resolve()), "--worker"]
-    available = cores()
-    free = [available[w % len(available)] for w in range(max(1, min(workers, len(specs))))]
+    environment = None if env is None else {**os.environ, **env}
+    slots = max(1, min(parallel, len(specs)))
+    free = [cores()[w % len(cores())] if pin else None for w in range(slots)]
+    deadline = None if timeout is None else time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="benchmark_workers_") as tmp:
         outs = [Path(tmp) / f"worker{i}.json" for i in range(len(specs))]
         pending, running, failed = list(range(len(specs))), {}, []
+        name = lambda i: specs[i].get("label", i) if isinstance(specs[i], dict) else i  # noqa: E731
         while pending or running:
             while pending and free:
                 i, core = pending.pop(0), free.pop(0)
-                spec = {**specs[i], "core": core, "out": str(outs[i])}
-                running[i] = (core, subprocess.Popen([*launch, json.dumps(spec)]))
+                job = json.dumps({"spec": specs[i], "core": core, "out": str(outs[i])})
+                running[i] = (core, subprocess.Popen([*launch, job], env=environment))
             for i, (core, proc) in list(running.items()):
-                rc = proc.poll()
-                if rc is not None:
+                if (rc := proc.poll()) is not None:
                     del running[i]
                     free.append(core)
-                    if rc != 0:
-                        failed.append(f"{specs[i].get('label', i)} exit code {rc}")
+                    failed += [f"{name(i)} exit code {rc}"] if rc else []
+            if deadline is not None and time.monotonic() > deadline:
+                failed += [f"{name(i)} ran past {timeout:.0f} s" for i in running]
             if failed:
                 for _, proc in running.values():
                     proc.kill()
                     proc.wait()
-                raise RuntimeError(
-                    f"{Path(script).stem} workers failed (their output is above): "
-                    + ", ".join(failed)
-                )
-            if running:
-                time.sleep(1.0)
+                raise RuntimeError(f"{Path(script).stem} workers failed: {', '.join(failed)}")
+            time.sleep(0.1 if running else 0)
         return [json.loads(out.read_text()) for out in outs]
 
 
-def pinned_worker(spec_json: str, work: Callable[[dict], Any]) -> int:
-    """A worker of `run_pinned`: pin this process to its core (before JAX starts its
-    threads), run `work(spec)` and write its JSON result atomically where `run_pinned`
-    reads it."""
+def worker_main(job: str, work: Callable[[Any], Any]) -> int:
+    """A worker of `run_workers` (`job`: the argument after `--worker`): pinned to its core
+    where it has one (before JAX starts its threads), it runs `work(spec)` and writes the
+    result atomically where `run_workers` reads it."""
     from eqx_lowmem._io import write_json as atomic_write_json
 
-    spec = json.loads(spec_json)
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {spec["core"]})
-    atomic_write_json(spec["out"], work(spec))
+    job = json.loads(job)
+    if job["core"] is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {job["core"]})
+    atomic_write_json(job["out"], work(job["spec"]))
     return 0
 
 

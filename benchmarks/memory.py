@@ -64,7 +64,16 @@ from jax.sharding import Mesh
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
 import quality  # noqa: E402
-from _common import GUIDE, RESULTS, compiled_memory, encoder, plain_step, spawn, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    GUIDE,
+    RESULTS,
+    compiled_memory,
+    encoder,
+    plain_step,
+    run_workers,
+    worker_main,
+    write_json,
+)
 from _steps import (  # noqa: E402
     CHAR_LM_GUIDE,
     CHAR_LM_SMALL,
@@ -205,10 +214,7 @@ def shard_rows(cfg: dict) -> dict:
     starts: `--worker`)."""
     if jax.device_count() < 8:
         flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-        lines, proc = spawn(__file__, cfg, timeout=1800, env={"XLA_FLAGS": flags})
-        if proc is None or proc.returncode or not lines:
-            raise RuntimeError(f"the shard/ worker failed:\n{proc and proc.stderr[-4000:]}")
-        return lines[-1]
+        return run_workers(__file__, [cfg], timeout=1800, env={"XLA_FLAGS": flags})[0]
 
     def loss(model, x):
         return jnp.mean(jax.vmap(model)(x) ** 2, axis=(1, 2))
@@ -425,8 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print("RESULT " + json.dumps(shard_rows(json.loads(args.worker))), flush=True)
-        return 0
+        return worker_main(args.worker, shard_rows)
     path = args.out / "memory_grid.json"
     kept = json.loads(path.read_text())["rows"] if path.exists() else {}
     found = {}

@@ -42,11 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     RESULTS,
     compiled_memory,
-    pinned_worker,
+    cores,
     pyplot,
-    run_pinned,
+    run_workers,
     save_figure,
-    workers_per_core,
+    worker_main,
     write_json,
 )
 
@@ -254,10 +254,11 @@ def run_rows(cfg: dict, rows: dict, workers=None, *, per_seed=False, memory=Fals
     seeds = [[s] for s in cfg["seeds"]] if per_seed else [cfg["seeds"]]
     jobs = [{"label": n, "opts": o, "cfg": cfg, "seeds": s, "memory": memory}
             for n, o in rows.items() for s in seeds]  # fmt: skip
-    workers = workers_per_core(len(jobs)) if workers is None else min(workers, len(jobs))
+    workers = min(len(cores()) if workers is None else workers, len(jobs))
     with tempfile.TemporaryDirectory(prefix="quality_cache_") as cache:
         if workers > 1:
-            outs = run_pinned(__file__, [{**j, "cache": cache} for j in jobs], workers)
+            jobs_cached = [{**j, "cache": cache} for j in jobs]
+            outs = run_workers(__file__, jobs_cached, parallel=workers, pin=True)
         else:
             outs = [_train_spec(j) for j in jobs]
     merged: dict[str, dict] = {n: {"runs": {}} for n in rows}
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker is not None:
-        return pinned_worker(args.worker, _train_spec)
+        return worker_main(args.worker, _train_spec)
     if args.workers is not None and args.workers < 1:
         p.error(f"--workers must be at least 1, got {args.workers}")
     if args.lr is not None and not args.lr > 0:

@@ -49,11 +49,11 @@ import _steps  # noqa: E402
 import jax  # noqa: E402
 from _common import (  # noqa: E402
     GUIDE,
-    MARKER,
     RESULTS,
     interleaved,
     median_ratio,
-    spawn,
+    run_workers,
+    worker_main,
     write_json,
 )
 from _steps import (  # noqa: E402
@@ -178,10 +178,10 @@ def _peak() -> int | None:
     return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
 
 
-def worker(payload: dict) -> None:
+def worker(payload: dict) -> dict:
     """Build each named configuration, then time them in rounds that alternate their order
-    (ABBA); one result line per name. A process of one configuration (the GPU run's) records
-    its peak too."""
+    (ABBA): a result per name. A process of one configuration (the GPU run's) records its
+    peak too."""
     sizes = {"name": payload["size"], **SIZES[payload["size"]]}
     timing, built, results = sizes["timing"], {}, {}
     for name in payload["names"]:
@@ -222,7 +222,7 @@ def worker(payload: dict) -> None:
         if "step_s" in r:
             r["updates_per_s"] = 1.0 / r["step_s"]
         r["peak"] = peak if name in built else None
-        print(MARKER + json.dumps({"name": name, "result": r}), flush=True)
+    return results
 
 
 # ------------------------------------------------------------------------------- parent
@@ -296,12 +296,11 @@ def check_consistency(results: dict) -> dict:
 
 
 def _run(names: list[str], size: str, timeout: float) -> dict:
-    """One worker process for `names`; a configuration it did not report is an error."""
-    lines, proc = spawn(__file__, {"size": size, "names": names}, timeout=timeout)
-    results = {line["name"]: line["result"] for line in lines}
-    why = "timed out" if proc is None else f"exit code {proc.returncode}"
-    tail = "" if proc is None else proc.stderr[-3000:]
-    return {n: results.get(n, {"error": f"worker process {why}", "stderr": tail}) for n in names}
+    """One worker process for `names`; where it fails, each records why."""
+    try:
+        return run_workers(__file__, [{"size": size, "names": names}], timeout=timeout)[0]
+    except RuntimeError as e:
+        return {n: {"error": str(e)} for n in names}
 
 
 def run_all(names: list[str], device: str, smoke: bool, budget: float) -> dict:
@@ -337,8 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(json.loads(args.worker))
-        return 0
+        return worker_main(args.worker, worker)
     names = [n for n in CONFIGS if not args.only or any(n.startswith(p) for p in args.only)]
 
     if args.device == "gpu" and jax.default_backend() != "gpu" and not args.smoke:

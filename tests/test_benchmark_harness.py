@@ -25,34 +25,48 @@ def test_interleaved_rounds_alternate_the_order_and_time_every_call():
 
 WORKER = textwrap.dedent(
     """
-    import json, os, sys
+    import os, sys, time
     sys.path.insert(0, {benchmarks!r})
-    from _common import pinned_worker
+    from _common import worker_main
 
     def work(spec):
         if spec["fail"]:
             raise SystemExit(3)
-        return {{"square": spec["n"] ** 2, "cores": sorted(os.sched_getaffinity(0))}}
+        time.sleep(spec.get("sleep", 0))
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return {{"square": spec["n"] ** 2, "cores": cores, "env": os.environ.get("MARK")}}
 
     if __name__ == "__main__":
-        sys.exit(pinned_worker(sys.argv[2], work))
+        sys.exit(worker_main(sys.argv[2], work))
     """
 )
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
-def test_run_pinned_runs_each_spec_in_a_worker_on_its_own_core(tmp_path):
+def test_run_workers_runs_each_spec_in_a_fresh_process_in_order(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(benchmarks=str(common.RESULTS.parent)))
     specs = [{"n": n, "fail": False, "label": f"n={n}"} for n in (3, 2)]
-    outs = common.run_pinned(script, specs, workers=2)
+    outs = common.run_workers(script, specs, parallel=2, env={"MARK": "set"})
     assert [o["square"] for o in outs] == [9, 4]  # in the order of the specs
+    assert {o["env"] for o in outs} == {"set"}  # this environment, updated
+    bad = [*specs[:1], {"n": 1, "fail": True, "label": "the bad one"}]
+    with pytest.raises(RuntimeError, match="worker workers failed: the bad one exit code 3"):
+        common.run_workers(script, bad, parallel=2)
+    slow = [{"n": 1, "fail": False, "sleep": 30, "label": "the slow one"}]
+    with pytest.raises(RuntimeError, match="the slow one ran past 1 s"):
+        common.run_workers(script, slow, timeout=1)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
+def test_pinned_workers_each_run_on_a_core_of_their_own(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(benchmarks=str(common.RESULTS.parent)))
+    specs = [{"n": n, "fail": False, "sleep": 0.5} for n in range(4)]
+    outs = common.run_workers(script, specs, parallel=2, pin=True)
     cores = common.cores()
     assert all(len(o["cores"]) == 1 and o["cores"][0] in cores for o in outs)
-    assert common.workers_per_core(1) == 1 and common.workers_per_core(99) == len(cores)
-    bad = [*specs[:1], {"n": 1, "fail": True, "label": "the bad one"}]
-    with pytest.raises(RuntimeError, match="worker workers failed.*the bad one exit code 3"):
-        common.run_pinned(script, bad, workers=2)
+    if len(cores) > 1:  # two at a time, never both on one core
+        assert len({o["cores"][0] for o in outs}) == 2
 
 
 def test_a_figure_is_saved_atomically_and_closed(tmp_path):
