@@ -56,7 +56,7 @@ from ._progress import Progress
 from ._resume import Checkpoints, settings
 from ._run import EpochSums, RunState
 from ._signals import Interrupts
-from ._state import TrainState, copy_arrays
+from ._state import TrainState, copy_arrays, merge, split
 from ._tensorboard import TensorBoard
 
 # On the CPU backend a wait for a running step takes CPU from its threads: there the
@@ -94,8 +94,11 @@ class Trainer:
         5
     """
 
-    # The model's state before the first `fit` (each instance sets its own from then on).
-    state: TrainState | None = None
+    # The state as a `TrainState`, or as the arrays and the rest a step takes (`_state.split`:
+    # during `fit` it lives there, and `state` builds the TrainState when read). Both None
+    # before the first `fit`.
+    _state: TrainState | None = None
+    _arrays: tuple[list, Any] | None = None
 
     def __init__(
         self,
@@ -269,6 +272,18 @@ class Trainer:
         self._fitting = threading.Lock()  # held while `fit` runs
         self._eval_fn = eval_function(loss, self.step_fn.policy, jit=step.jit, mesh=step.mesh)
         self._traced: set = set()  # (model, batch) shapes the loss was traced on
+
+    @property
+    def state(self) -> TrainState | None:
+        """The run's `TrainState` (parameters, optimizer state, key, loss scale), None
+        before the first `fit`. The next update donates its arrays: copy what you keep."""
+        if self._state is None and self._arrays is not None:
+            self._state = merge(*self._arrays)
+        return self._state
+
+    @state.setter
+    def state(self, state: TrainState | None) -> None:
+        self._state, self._arrays = state, None
 
     @property
     def updates(self) -> int:
@@ -446,7 +461,9 @@ class Trainer:
         hooks: list[Hook] = []
         if eval_stream is not None:
             hooks.append(Evaluation(self.evaluate, eval_stream, eval_every))
-        hooks.append(Progress(self.progress, self.log_seconds))
+        progress = Progress(self.progress, self.log_seconds)
+        if progress.mode is not None:  # progress=False: nothing to call per update
+            hooks.append(progress)
         if self.log_dir is not None:
             hooks.append(TensorBoard(self.log_dir, loss_scale=self.step_fn.loss_scale is not None))
         if self.callback is not None:
@@ -491,27 +508,34 @@ class Trainer:
         copy_ahead = not on_host(self.mesh)  # on the CPU backend already in host memory
         lag = 1 if copy_ahead else _HOST_LAG
         served = False
+        # Only the hooks with something to do are called each update.
+        dues = [h for h in hooks if _overrides(h, "due")]
+        listening = [h for h in hooks if _overrides(h, "on_update")]
+        # The state stays split into what the step takes (its TrainState is built only
+        # when read: `state`), and the step is called on that (`Step.call_split`).
+        step, (dynamic, static) = self.step_fn.call_split, self._arrays or split(self.state)
         try:
             for micro in groups(batches, self.accumulate):
                 served = True
                 batch, weights = assemble(micro, size, stateful)
-                self.state, metrics = self.step_fn(self.state, batch, weights)
+                dynamic, metrics = step(dynamic, static, batch, weights)
+                self._state, self._arrays = None, (dynamic, static)
                 run.updates += 1
                 if copy_ahead:  # to the host as soon as computed, not one by one later
                     jax.tree.map(lambda v: v.copy_to_host_async(), metrics)
                 pending.append((metrics, run.updates))
                 if len(pending) > lag:  # all but this update's, while it runs
-                    self._finish(run, hooks, checkpoints, pending, epoch, keep=1)
+                    self._finish(run, listening, checkpoints, pending, epoch, keep=1)
                 ended = stream.epoch != epoch
-                if not overlap or ended or run.done() or any(h.due(run.updates) for h in hooks):
-                    self._finish(run, hooks, checkpoints, pending, epoch, last=ended)
+                if not overlap or ended or run.done() or any(h.due(run.updates) for h in dues):
+                    self._finish(run, listening, checkpoints, pending, epoch, last=ended)
                     if ended:
                         self._close_epoch(run, hooks, epoch)
                     if run.done():
                         return
-            self._finish(run, hooks, checkpoints, pending, epoch)
+            self._finish(run, listening, checkpoints, pending, epoch)
         except BadBatch as bad:
-            self._finish(run, hooks, checkpoints, pending, epoch)  # state and history in step
+            self._finish(run, listening, checkpoints, pending, epoch)  # state and history in step
             raise bad_batch_error(bad, self.accumulate, run.sums.updates + 1, epoch) from bad.error
         finally:
             batches.close()  # stops the prefetch thread on every exit path
@@ -524,10 +548,11 @@ class Trainer:
                 pending: list, epoch: int, keep: int = 0, last: bool = False) -> None:  # fmt: skip
         """For each `(metrics, update)` of `pending` but the newest `keep`, after one wait
         (for the newest of them): stop on a non-finite loss; add it to the epoch's sums;
-        tell the hooks (`last`: the last of them ends the epoch)."""
+        tell the `hooks` (those with an `on_update`; `last`: the last of them ends the
+        epoch)."""
         count = max(len(pending) - keep, 0)
-        if count:
-            jax.block_until_ready(pending[count - 1][0])
+        if count:  # one array: the others come from the same program
+            jax.block_until_ready(pending[count - 1][0]["loss"])
         for _ in range(count):
             metrics, update = pending.pop(0)
             # Through NumPy: float() of a jax.Array costs 5x as much (0.3 ms an update for 5).
@@ -546,8 +571,9 @@ class Trainer:
                 sums.sum += values["loss"] * values["weight"]
                 sums.weight += values["weight"]
             sums.updates += 1
-            info = self._info(run, update, epoch, sums.updates, values, last and not pending)
-            call_hooks(hooks, "on_update", info, run.history)
+            if hooks:
+                info = self._info(run, update, epoch, sums.updates, values, last and not pending)
+                call_hooks(hooks, "on_update", info, run.history)
 
     def _close_epoch(self, run: RunState, hooks: list[Hook], epoch: int) -> None:
         """Record epoch `epoch`'s mean loss, start the next one's sums, tell the hooks."""
@@ -598,3 +624,8 @@ class Trainer:
 
         return mean_loss(self._eval_fn, model, model_state, stream,
                          check if self.check_data else None)  # fmt: skip
+
+
+def _overrides(hook: Any, method: str) -> bool:
+    """Whether `hook` has its own `method` (a `Hook` subclass's default does nothing)."""
+    return getattr(type(hook), method, None) is not getattr(Hook, method)
