@@ -181,8 +181,8 @@ def check_path(name: str, value: Any, *, kind: str = "file") -> None:
         )
 
 
-_INT32 = (int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max))
-_UINT32_MAX = int(np.iinfo(np.uint32).max)
+INT32_RANGE = (int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max))
+UINT32_MAX = int(np.iinfo(np.uint32).max)
 
 
 def check_fits_in_32_bits(name: str, a: np.ndarray) -> None:
@@ -196,7 +196,7 @@ def check_fits_in_32_bits(name: str, a: np.ndarray) -> None:
     if a.dtype.kind not in "iu" or a.dtype.itemsize < 8 or not a.size or jax.config.jax_enable_x64:
         return
     lo, hi = int(a.min()), int(a.max())
-    limit = (0, _UINT32_MAX) if a.dtype.kind == "u" else _INT32
+    limit = (0, UINT32_MAX) if a.dtype.kind == "u" else INT32_RANGE
     if lo < limit[0] or hi > limit[1]:
         raise ValueError(
             f"{name} holds {a.dtype} values from {lo} to {hi}, beyond the 32-bit range "

@@ -348,6 +348,68 @@ def test_the_one_pass_data_check_neither_misses_nor_invents_bad_values(dtype):
             check_data(loss, model, (x, y), compute)
 
 
+def test_the_runs_batch_check_raises_what_check_data_raises_and_nothing_else():
+    # `BatchCheck` (each micro-batch of a fit) works out per dtype and sample shape which
+    # arrays to scan (floats), which to bound (labels, token ids, 64-bit ints) and the
+    # model's classes, once: every bad batch still raises check_data's own error, and a
+    # good batch (of a signature seen before or not) passes.
+    from eqx_lowmem.train._checks import BatchCheck, check_data
+
+    model = el.nn.mlp([2, 4, 3], key=jr.PRNGKey(0))
+    lm = el.nn.CausalLM(7, 8, 1, 8, 2, 16, key=jr.PRNGKey(0))
+    x, labels = np.full((8, 2), 0.5, np.float32), np.array([0, 1, 2, 1, 0, 2, 1, 0], np.int32)
+    tokens = np.tile(np.arange(7, dtype=np.int32), (2, 1))
+
+    def changed(a, index, value, dtype=None):
+        a = a.astype(dtype or a.dtype)
+        a[index] = value
+        return a
+
+    bf16 = x.astype(jnp.bfloat16)
+    bf16[3, 0] = np.nan
+    cases = [  # (loss, model, batch, compute dtype, what check_data says or None)
+        (el.train.cross_entropy, model, (x, labels), None, None),
+        (el.train.cross_entropy, model, (np.full((8, 2), 1e30, np.float32), labels), None, None),
+        (el.train.cross_entropy, model, (x.astype(np.float64), labels.astype(np.int64)), None,
+         None),
+        (el.train.cross_entropy, model, (changed(x, (5, 1), np.nan), labels), None,
+         r"batch\[0\] holds 1 non-finite"),
+        (el.train.cross_entropy, model, (changed(x, (5, 1), -np.inf, np.float64), labels), None,
+         r"batch\[0\] holds 1 non-finite"),
+        (el.train.cross_entropy, model, (x, changed(labels, 6, 3)), None,
+         r"batch\[1\] holds labels from 0 to 3, but the model has 3 outputs"),
+        (el.train.cross_entropy, model, (x, changed(labels, 2, -1, np.int64)), None,
+         r"batch\[1\] holds labels from -1 to 2"),
+        (el.train.cross_entropy, model, (bf16, labels), None, r"batch\[0\] holds 1 non-finite"),
+        (el.train.cross_entropy, model, (x.astype(np.complex64), labels), None,
+         r"batch\[0\] is complex"),
+        (el.train.cross_entropy, model, (changed(x, (0, 0), 7e4), labels), jnp.float16,
+         r"batch\[0\] holds 1 values beyond float16's range"),
+        (el.train.mse, model, (changed(labels, 4, 2**33, np.int64), x), None,
+         r"batch\[0\] holds int64 values from 0 to 8589934592, beyond the 32-bit range"),
+        (el.train.mse, model, (x, changed(labels, 4, 2**40, np.uint64)), None,
+         r"batch\[1\] holds uint64 values"),
+        (el.train.next_token_loss, lm, (tokens,), None, None),
+        (el.train.next_token_loss, lm, (changed(tokens, (1, 3), 7),), None,
+         r"batch\[0\] holds token ids from 0 to 7, but the model has 7 outputs"),
+    ]  # fmt: skip
+    for loss, net, batch, compute, match in cases:
+        check = BatchCheck(loss, net, compute)
+        for _ in range(2):  # the plan worked out, then used
+            if match is None:
+                check(batch)
+                check_data(loss, net, batch, compute)
+                continue
+            with pytest.raises(ValueError, match=match) as raised:
+                check(batch)
+            with pytest.raises(ValueError) as expected:
+                check_data(loss, net, batch, compute)
+            assert str(raised.value) == str(expected.value)
+        good = (x, labels) if loss is el.train.cross_entropy else None
+        if good is not None and batch[0].dtype == good[0].dtype:
+            check(good)  # the same signature, good values: passes
+
+
 def test_one_trainers_fit_from_two_threads_is_refused():
     errors = []
 

@@ -12,6 +12,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .._checks import (
+    INT32_RANGE,
+    UINT32_MAX,
     check_fits_in_32_bits,
     check_int,
     check_path,
@@ -22,7 +24,7 @@ from .._checks import (
 from ..data import DataStream
 from ._batches import peek
 from ._loss import call_loss
-from ._losses import check_batch
+from ._losses import check_batch, id_fields
 from ._resume import FORMATS
 from ._state import TrainState
 from ._step import Step
@@ -223,6 +225,66 @@ def check_data(loss, model: Any, batch: tuple, compute_dtype: Any = None) -> Non
 
 
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+class BatchCheck:
+    """`check_data(loss, model, batch, compute_dtype)` for the many batches of one run,
+    at less host time a batch: what depends only on the batch's dtypes and sample shapes
+    (which arrays can hold NaN, which hold labels or token ids, the model's number of
+    classes, the 32-bit and float16 limits) is worked out once per such signature; a
+    batch then costs one pass per array that can be wrong: a float32 or float64 array's
+    `within` (finite, and within float16's range under float16 compute), an integer
+    array's min and max where they are bounded (ids, 64-bit values). Arrays of other
+    dtypes (complex, 16-bit floats) go through `check_data` as they are. A batch that
+    fails the fast pass goes through `check_data`, which raises its error."""
+
+    def __init__(self, loss: Any, model: Any, compute_dtype: Any = None):
+        self.loss, self.model, self.compute_dtype = loss, model, compute_dtype
+        self._plans: dict[tuple, tuple[bool, list]] = {}
+
+    def __call__(self, batch: tuple) -> None:
+        arrays = [x if type(x) is np.ndarray else np.asarray(x) for x in batch]
+        key = tuple([(a.dtype, a.shape[1:] if a.ndim else None) for a in arrays])
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(arrays)
+        whole, passes = plan
+        if not whole and all(check(arrays[i]) for i, check in passes):
+            return
+        check_data(self.loss, self.model, tuple(batch), self.compute_dtype)
+
+    def _plan(self, arrays: list[np.ndarray]) -> tuple[bool, list]:
+        """(whether `check_data` must see every batch, [(array index, fast check)])."""
+        float16 = self.compute_dtype is not None and np.dtype(self.compute_dtype) == np.float16
+        limit = _FLOAT16_MAX if float16 else float("inf")
+        ids = id_fields(self.loss, self.model, arrays)  # {index: classes or None}
+        x64 = jax.config.jax_enable_x64
+        passes: list = []
+        for i, a in enumerate(arrays):
+            kind = a.dtype.kind
+            if kind in "cV" or (kind == "f" and a.dtype not in (np.float32, np.float64)):
+                return True, []  # complex: refused; 16-bit floats (bfloat16's kind is V)
+            if kind == "f":
+                passes.append((i, lambda a, limit=limit: within(a, limit)))
+            elif kind in "iu":
+                lo, hi = None, None
+                if a.dtype.itemsize >= 8 and not x64:
+                    lo, hi = (0, UINT32_MAX) if kind == "u" else INT32_RANGE
+                if i in ids:
+                    lo = 0 if lo is None else max(lo, 0)
+                    classes = ids[i]
+                    if classes is not None:
+                        hi = classes - 1 if hi is None else min(hi, classes - 1)
+                if lo is not None:
+                    passes.append((i, lambda a, lo=lo, hi=hi: _between(a, lo, hi)))
+        return False, passes
+
+
+def _between(a: np.ndarray, lo: int, hi: int | None) -> bool:
+    """Every value of the integer array `a` lies in `[lo, hi]` (`hi` None: no bound)."""
+    if not a.size:
+        return True
+    return int(a.min()) >= lo and (hi is None or int(a.max()) <= hi)
 
 
 def _check_fits_float16(name: str, a: np.ndarray, compute_dtype: Any) -> None:

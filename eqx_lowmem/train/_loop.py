@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from ..data import DataStream
 from ..data._prefetch import checked
 from ._batches import concat, ones, pad
-from ._checks import check_data
+from ._checks import BatchCheck
 from ._resume import last_good, nonfinite_parameters
 from ._step import Step
 
@@ -38,11 +38,12 @@ def host_check(loss: Callable[..., Any], model: Any, dtype: Any) -> Callable[[tu
     are copied to the device (on a GPU no copy back and no wait for the step), with the
     model's shapes only. Raises `BadBatch` with the batch's index in the epoch."""
     count = itertools.count()  # the batches of one epoch's prefetch start an update
+    check_one = BatchCheck(loss, model, dtype)
 
     def check(batch: tuple) -> None:
         index = next(count)
         try:
-            check_data(loss, model, tuple(batch), dtype)
+            check_one(batch)
         except ValueError as e:
             raise BadBatch(index, e) from e
 

@@ -348,10 +348,18 @@ def check_batch(loss_fn: Callable[..., Any], model: Any, batch: tuple[Any, ...])
                     f"batch[{i}] holds {bad.size} non-finite values (NaN or inf; first at "
                     f"index {tuple(int(j) for j in first)}: {a[first]}). {_BAD_DATA}"
                 )
+    for i, classes in id_fields(loss_fn, model, arrays).items():
+        _check_ids(f"batch[{i}]", arrays[i], classes, "labels" if i else "token ids")
+
+
+def id_fields(loss_fn: Callable[..., Any], model: Any, arrays: list[np.ndarray]) -> dict:
+    """The fields of a batch that hold ids for a built-in loss, each with the model's
+    number of classes (None where unknown): `cross_entropy`'s labels (`batch[1]`) and
+    `next_token_loss`'s token ids (`batch[0]`); from the arrays' shapes and dtypes only."""
     builtin = _builtin(loss_fn)
     if builtin is cross_entropy and len(arrays) >= 2 and arrays[0].ndim >= 1:
-        _check_ids("batch[1]", arrays[1], _classes(model, arrays[0][0]), "labels")
-    elif builtin is next_token_loss and arrays and arrays[0].ndim == 2:
+        return {1: _classes(model, arrays[0][0])}
+    if builtin is next_token_loss and arrays and arrays[0].ndim == 2:
         tokens = arrays[0]
-        classes = _classes(model, tokens[0, :-1]) if tokens.shape[1] > 1 else None
-        _check_ids("batch[0]", tokens, classes, "token ids")
+        return {0: _classes(model, tokens[0, :-1]) if tokens.shape[1] > 1 else None}
+    return {}
