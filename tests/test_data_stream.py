@@ -560,3 +560,22 @@ def test_an_iterator_source_must_give_a_fresh_iterator_each_epoch():
 def test_process_arguments_must_be_ints():
     with pytest.raises(TypeError, match="process_index"):
         DataStream((np.arange(4),), 2, process_index=True, process_count=2)
+
+
+@pytest.mark.parametrize("shape", [(600, 8), (600, 784), (90, 32, 48)], ids=["32B", "3KiB", "6KiB"])
+def test_shuffled_batches_are_fresh_copies_of_the_sources_rows(shape):
+    # Rows are gathered whole (small gathers) or with np.take (from 64 KiB): either way a
+    # batch holds exactly the source's rows, in a fresh C-contiguous array of its own.
+    from eqx_lowmem.data._sources import row_gather
+
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    gather = row_gather(x)
+    rng = np.random.default_rng(0)
+    for count in (1, 20, 256, shape[0]):
+        indices = np.sort(rng.choice(shape[0], min(count, shape[0]), replace=False))
+        got = gather(indices)
+        np.testing.assert_array_equal(got, x[indices])
+        assert got.flags.c_contiguous and not np.shares_memory(got, x)
+    stream = DataStream((x,), batch_size=256, key=0)
+    served = np.concatenate([b[0] for b in stream]).reshape(shape[0], -1)
+    np.testing.assert_array_equal(served[np.argsort(served[:, 0])], x.reshape(shape[0], -1))
