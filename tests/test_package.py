@@ -92,9 +92,9 @@ def test_the_core_trains_and_checkpoints_without_the_optional_packages(tmp_path)
     assert run.stdout.split()[-1] == "checkpoint.ckpt"
 
 
-# Issue 29's size goals: no file of the package over 600 lines, no function over 80 lines
-# of code (from its first statement after the docstring to its last line).
-MAX_FILE_LINES = 600
+# Issue 29's size goal: no function over 80 lines of code (from its first statement after
+# the docstring to its last line). Its file limit (600 lines) went with issue 38: a file is
+# one concern, and the Trainer with its own update loop (Levanter's shape) is one.
 MAX_FUNCTION_LINES = 80
 
 
@@ -112,22 +112,19 @@ def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     return node.end_lineno - first.lineno + 1
 
 
-def test_no_file_or_function_of_the_package_is_too_long():
+def test_no_function_of_the_package_is_too_long():
     package = ROOT / "eqx_lowmem"
     files = sorted(package.rglob("*.py"))
     assert len(files) > 50  # the whole package, not an empty glob
-    long_files, long_functions = [], []
+    long_functions = []
     for path in files:
         text = path.read_text()
         name = path.relative_to(ROOT)
-        if len(text.splitlines()) > MAX_FILE_LINES:
-            long_files.append(f"{name}: {len(text.splitlines())} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = _code_lines(node)
                 if n > MAX_FUNCTION_LINES:
                     long_functions.append(f"{name}:{node.lineno} {node.name}: {n} lines")
-    assert not long_files, f"files over {MAX_FILE_LINES} lines (split by concern): {long_files}"
     assert not long_functions, (
         f"functions over {MAX_FUNCTION_LINES} lines of code (split into named helpers): "
         f"{long_functions}"
