@@ -75,20 +75,20 @@ SIZES = {
     "gpu": {"transformer": GUIDE, "mlp": SPARSE_MLP,
             "wrn": {"depth": 28, "width": 2, "batch": 100, "image": 32}, "stream_samples": 512,
             "lm_loss": LM_LOSS, "step_scale": 8, "plan": PLAN, "char_lm": CHAR_LM_GUIDE,
-            "timing": {"burn_in": 3, "repeats": 10}},
+            "timing": {"burn_in": 3, "repeats": 10, "repeats_short": 10}},
     # A CPU update of the guide's size takes seconds: 4 blocks of width 128 (about 0.07 s).
     "cpu": {"transformer": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512,
                             "seq": 128, "batch": 8},
             "mlp": SPARSE_MLP,
             "wrn": {"depth": 16, "width": 1, "batch": 100, "image": 32}, "stream_samples": 256,
             "lm_loss": LM_LOSS, "step_scale": 1, "plan": PLAN, "char_lm": CHAR_LM_SMALL,
-            "timing": {"burn_in": 1, "repeats": 9}},
+            "timing": {"burn_in": 1, "repeats": 9, "repeats_short": 31}},
     "smoke": {"transformer": TINY, "mlp": {**SPARSE_MLP, "width": 32, "batch": 8},
               "wrn": {"depth": 10, "width": 1, "batch": 100, "image": 8}, "stream_samples": 16,
               "lm_loss": LM_LOSS_SMOKE, "step_scale": 1, "fit_updates": 2,
               "char_lm": {**CHAR_LM_SMALL, "layers": 1, "d_model": 16, "d_ff": 32, "seq": 8},
               "plan": {**TINY, "budget": PLAN["budget"], "options": {"accumulates": [1]}},
-              "timing": {"burn_in": 1, "repeats": 1}},
+              "timing": {"burn_in": 1, "repeats": 1, "repeats_short": 1}},
 }  # fmt: skip
 BUDGET_S = 450  # the GPU run; issue 13's bound is 8 minutes
 WORKER_TIMEOUT_S = 150
@@ -113,7 +113,8 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
     "lm_loss/chunked_8000": {"kind": "lm_loss", "chunk": 8000},
     "lm_loss/chunked_rows32": {"kind": "lm_loss", "chunk": "auto", "chunk_size": 32},
     **{f"optimizer_state/{v}": {"kind": "optimizer_state", "variant": v} for v in OPTIMIZERS},
-    **{f"step_{c}/{way}": {"kind": "step", "case": c, "hand": way == "hand"}
+    # `short`: calls of about 0.1 s, whose 3% goals need more rounds than 9 (`repeats_short`).
+    **{f"step_{c}/{way}": {"kind": "step", "case": c, "hand": way == "hand", "short": True}
        for c in STEP_CASES for way in ("hand", "library")},
     **{f"sparse/{v}": {"kind": "sparse", "variant": v, "slow": v == "bcoo"} for v in SPARSE},
     "paper/fp32": {"kind": "wrn", "precision": None, "remat": "none", "accumulate": 1},
@@ -129,10 +130,10 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
     "paper/fp16_remat_micro1_sparse30_gn": {"kind": "wrn", "precision": "half_fp16",
                                             "accumulate": 100, "density": DENSITY,
                                             "norm": "group"},
-    "fit/hand": {"kind": "fit", "hand": True},
-    "fit/trainer": {"kind": "fit", "hand": False},
-    "fit/hand_prefetch": {"kind": "fit", "hand": True, "prefetch": True},
-    "fit/trainer_unchecked": {"kind": "fit", "hand": False, "check_data": False},
+    "fit/hand": {"kind": "fit", "hand": True, "short": True},
+    "fit/trainer": {"kind": "fit", "hand": False, "short": True},
+    "fit/hand_prefetch": {"kind": "fit", "hand": True, "prefetch": True, "short": True},
+    "fit/trainer_unchecked": {"kind": "fit", "hand": False, "check_data": False, "short": True},
     # Compiles timed once each (their builders time them), the persistent cache off.
     "plan/one_compile": {"kind": "plan", "prune": None},
     "plan/pruned": {"kind": "plan", "prune": True},
@@ -213,7 +214,9 @@ def worker(payload: dict) -> dict:
     # A slow configuration (seconds a call) in 2 rounds of its own with its baseline:
     # in the others' rounds its calls would swamp their drift-cancelling pairing.
     fast = [n for n in built if not CONFIGS[n].get("slow") or len(built) == 1]
-    record(interleaved({n: built[n] for n in fast}, max(timing["repeats"], 2)), fast)
+    short = all(CONFIGS[n].get("short") for n in fast)
+    record(interleaved({n: built[n] for n in fast}, max(timing[f"repeats{'_short' * short}"], 2)),
+           fast)  # fmt: skip
     for name in (n for n in built if n not in fast):
         pair = dict.fromkeys((BASELINES.get(name.split("/")[0]), name))
         record(interleaved({n: built[n] for n in pair if n in built}, 2), [name])
