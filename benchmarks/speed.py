@@ -75,7 +75,7 @@ SIZES = {
     "gpu": {"transformer": GUIDE, "mlp": SPARSE_MLP,
             "wrn": {"depth": 28, "width": 2, "batch": 100, "image": 32}, "stream_samples": 512,
             "lm_loss": LM_LOSS, "step_scale": 8, "plan": PLAN, "char_lm": CHAR_LM_GUIDE,
-            "timing": {"burn_in": 3, "repeats": 10, "repeats_short": 10}},
+            "timing": {"burn_in": 3, "repeats": 10}},
     # A CPU update of the guide's size takes seconds: 4 blocks of width 128 (about 0.07 s).
     "cpu": {"transformer": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512,
                             "seq": 128, "batch": 8},
@@ -88,7 +88,7 @@ SIZES = {
               "lm_loss": LM_LOSS_SMOKE, "step_scale": 1, "fit_updates": 2,
               "char_lm": {**CHAR_LM_SMALL, "layers": 1, "d_model": 16, "d_ff": 32, "seq": 8},
               "plan": {**TINY, "budget": PLAN["budget"], "options": {"accumulates": [1]}},
-              "timing": {"burn_in": 1, "repeats": 1, "repeats_short": 1}},
+              "timing": {"burn_in": 1, "repeats": 1}},
 }  # fmt: skip
 BUDGET_S = 450  # the GPU run; issue 13's bound is 8 minutes
 WORKER_TIMEOUT_S = 150
@@ -113,8 +113,7 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
     "lm_loss/chunked_8000": {"kind": "lm_loss", "chunk": 8000},
     "lm_loss/chunked_rows32": {"kind": "lm_loss", "chunk": "auto", "chunk_size": 32},
     **{f"optimizer_state/{v}": {"kind": "optimizer_state", "variant": v} for v in OPTIMIZERS},
-    # `short`: calls of about 0.1 s, whose 3% goals need more rounds than 9 (`repeats_short`).
-    **{f"step_{c}/{way}": {"kind": "step", "case": c, "hand": way == "hand", "short": True}
+    **{f"step_{c}/{way}": {"kind": "step", "case": c, "hand": way == "hand"}
        for c in STEP_CASES for way in ("hand", "library")},
     **{f"sparse/{v}": {"kind": "sparse", "variant": v, "slow": v == "bcoo"} for v in SPARSE},
     "paper/fp32": {"kind": "wrn", "precision": None, "remat": "none", "accumulate": 1},
@@ -130,10 +129,10 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
     "paper/fp16_remat_micro1_sparse30_gn": {"kind": "wrn", "precision": "half_fp16",
                                             "accumulate": 100, "density": DENSITY,
                                             "norm": "group"},
-    "fit/hand": {"kind": "fit", "hand": True, "short": True},
-    "fit/trainer": {"kind": "fit", "hand": False, "short": True},
-    "fit/hand_prefetch": {"kind": "fit", "hand": True, "prefetch": True, "short": True},
-    "fit/trainer_unchecked": {"kind": "fit", "hand": False, "check_data": False, "short": True},
+    "fit/hand": {"kind": "fit", "hand": True},
+    "fit/trainer": {"kind": "fit", "hand": False},
+    "fit/hand_prefetch": {"kind": "fit", "hand": True, "prefetch": True},
+    "fit/trainer_unchecked": {"kind": "fit", "hand": False, "check_data": False},
     # Compiles timed once each (their builders time them), the persistent cache off.
     "plan/one_compile": {"kind": "plan", "prune": None},
     "plan/pruned": {"kind": "plan", "prune": True},
@@ -166,6 +165,9 @@ GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
         for what, q, sense, bound in (("time", UPS, ">=", 0.97), ("peak", "peak", "<=", 1.01))
     },
 }
+# Kinds whose calls take about 0.1 s and whose 3% goals need more rounds than 9: on a CPU
+# they are timed in `timing["repeats_short"]` rounds.
+SHORT_KINDS = ("step", "fit")
 REPORT_TOLERANCE = 0.05
 # The first update's loss and gradient norm, relative, between configurations computing the
 # same function, all in float32 (a GPU's matmuls may use TF32).
@@ -214,9 +216,10 @@ def worker(payload: dict) -> dict:
     # A slow configuration (seconds a call) in 2 rounds of its own with its baseline:
     # in the others' rounds its calls would swamp their drift-cancelling pairing.
     fast = [n for n in built if not CONFIGS[n].get("slow") or len(built) == 1]
-    short = all(CONFIGS[n].get("short") for n in fast)
-    record(interleaved({n: built[n] for n in fast}, max(timing[f"repeats{'_short' * short}"], 2)),
-           fast)  # fmt: skip
+    repeats = timing["repeats"]
+    if all(CONFIGS[n]["kind"] in SHORT_KINDS for n in fast):
+        repeats = timing.get("repeats_short", repeats)
+    record(interleaved({n: built[n] for n in fast}, max(repeats, 2)), fast)
     for name in (n for n in built if n not in fast):
         pair = dict.fromkeys((BASELINES.get(name.split("/")[0]), name))
         record(interleaved({n: built[n] for n in pair if n in built}, 2), [name])
