@@ -447,7 +447,7 @@ def _repeated(update, info: dict, seconds: float = 0.1):
 
 def fit(name: str, spec: dict, sizes: dict):
     """The MLP of `step_cases` (Adam) for one epoch of in-memory arrays, `fit_updates`
-    shuffled batches: `Trainer.fit` (its defaults: prefetch, data check) against the loop a
+    shuffled batches: `Trainer.fit` (its defaults: the arrays' data check) against the loop a
     user writes (a permutation, a NumPy gather per batch, the hand step), or the hand step
     fed by `DataStream.prefetch()` (`spec["prefetch"]`: reading overlaps the step); the
     Trainer with `spec["check_data"]` as given. One call is one epoch (`per_call` updates),

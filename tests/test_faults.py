@@ -226,9 +226,15 @@ def test_eval_data_is_checked_before_the_first_update(tmp_path, case, match):
     with pytest.raises(ValueError, match=match):
         trainer.fit(x, y, epochs=1, micro_batch=8, key=jr.PRNGKey(1), eval_data=(ex, ey))
     assert seen == [] and not (tmp_path / CHECKPOINT_NAME).exists()
-    if case != "shape":  # Trainer.evaluate checks what it is given too
-        with pytest.raises(ValueError, match="evaluation data, batch 1"):
+    if case != "shape":  # Trainer.evaluate checks what it is given too: arrays whole, a
+        # stream that reads files batch by batch
+        with pytest.raises(ValueError, match="the evaluation data, samples 0 to 7 "):
             trainer.evaluate((ex, ey))
+        np.save(tmp_path / "ex.npy", ex)
+        np.save(tmp_path / "ey.npy", ey)
+        stream = el.data.DataStream((tmp_path / "ex.npy", tmp_path / "ey.npy"), 8)
+        with pytest.raises(ValueError, match="evaluation data, batch 1: "):
+            trainer.evaluate(stream)
 
 
 # ------------------------------------------------------------------------ losses and arguments

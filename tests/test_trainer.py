@@ -254,6 +254,17 @@ def test_updates_and_eval_every_and_resume_to_more_updates(tmp_path):
     assert abs(full.evaluate((X[:16], y[:16])) - expected) < 1e-5 * expected
 
 
+def test_evaluate_before_any_fit_checks_its_arrays_and_reads_the_model():
+    X, y = _guide_data()
+    trainer, model = _trainer(), el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0))
+    expected = float(jnp.mean(el.train.mse(model, X, y)))
+    assert abs(trainer.evaluate((X, y), micro_batch=16) - expected) < 1e-5 * expected
+    bad = np.array(y)
+    bad[40, 0] = np.nan
+    with pytest.raises(ValueError, match=r"evaluation data, samples 0 to 63 .*\(40, 0\)"):
+        trainer.evaluate((X, bad))
+
+
 def test_checkpoints_on_time_keep_the_last_few(tmp_path):
     X, y = _guide_data()
     trainer = _trainer(checkpoint_dir=tmp_path, checkpoint_seconds=1e-9, keep_checkpoints=3)
@@ -557,20 +568,67 @@ def test_after_update_and_shard_pass_through_to_the_step():
 
 
 @pytest.mark.parametrize("loss_scale", [None, "dynamic"])
-def test_bad_labels_in_a_later_batch_stop_before_that_update(loss_scale):
-    # Each micro-batch is checked on the host before it is put on the device (in the
-    # prefetch thread); the error names it when its update comes, also while the previous
-    # update's metrics are still being read (with a loss scale, which overlaps them).
+def test_bad_labels_in_a_later_batch_of_a_file_stop_before_that_update(tmp_path, loss_scale):
+    # A stream that reads files has each micro-batch checked on the host before it is put
+    # on the device (in the prefetch thread); the error names it when its update comes,
+    # also while the previous update's metrics are still being read (with a loss scale,
+    # which overlaps them).
     X, _ = _guide_data()
     labels = np.zeros(64, np.int32)
     labels[58] = 7  # the model has 3 classes; samples 56-63: micro-batch 2 of update 4
+    np.save(tmp_path / "x.npy", np.asarray(X))
+    np.save(tmp_path / "y.npy", labels)
+    stream = el.data.DataStream((tmp_path / "x.npy", tmp_path / "y.npy"), 8)
     scale = None if loss_scale is None else el.precision.dynamic_loss_scale()
     trainer = _trainer(model=el.nn.mlp([2, 4, 3], key=jr.PRNGKey(0)), loss=el.train.cross_entropy,
                        accumulate=2, loss_scale=scale)  # fmt: skip
     with pytest.raises(ValueError, match="micro-batch 2 of update 4 of epoch 1 .*batch\\[1\\]"):
-        trainer.fit(X, labels, epochs=1, micro_batch=8, key=jr.PRNGKey(1), shuffle=False)
+        trainer.fit(epochs=1, key=jr.PRNGKey(1), stream=stream)
     assert int(trainer.state.step) == 3 and trainer.updates == 3
     assert trainer.history["train_loss"] == []  # the epoch did not end
+
+
+@pytest.mark.parametrize("where", ["X", "y", "eval_data"])
+def test_bad_arrays_in_memory_stop_fit_before_the_first_update(tmp_path, where):
+    # Arrays in memory are checked whole before training, once: the error names the
+    # sample, and nothing was trained or saved.
+    X, _ = _guide_data()
+    X, labels = np.array(X), np.zeros(64, np.int32)
+    eval_x, eval_y = X[:16].copy(), labels[:16].copy()
+    if where == "X":
+        X[58, 1] = np.inf
+    elif where == "y":
+        labels[58] = 7  # the model has 3 classes
+    else:
+        eval_y[9] = -1
+    trainer = _trainer(model=el.nn.mlp([2, 4, 3], key=jr.PRNGKey(0)), loss=el.train.cross_entropy,
+                       checkpoint_dir=tmp_path)  # fmt: skip
+    before = r" \(checked before the first update\), samples 0 to "
+    what = {
+        "X": rf"the training data{before}63 .*batch\[0\] holds 1 non-finite.*\(58, 1\)",
+        "y": rf"the training data{before}63 .*batch\[1\] holds labels from 0 to 7.*58",
+        "eval_data": rf"eval_data{before}15 .*batch\[1\] holds labels from -1.*9",
+    }
+    with pytest.raises(ValueError, match=what[where]):
+        trainer.fit(X, labels, epochs=2, micro_batch=8, key=jr.PRNGKey(1),
+                    eval_data=(eval_x, eval_y))  # fmt: skip
+    assert int(trainer.state.step) == 0 and trainer.updates == 0
+    assert not (tmp_path / el.train._checkpoint.CHECKPOINT_NAME).exists()
+
+
+def test_arrays_are_checked_in_blocks_whose_samples_the_error_names():
+    from eqx_lowmem.train._loop import check_arrays
+
+    model = el.nn.mlp([2, 4, 3], key=jr.PRNGKey(0))
+    x, y = np.zeros((40, 2), np.float32), np.zeros(40, np.int64)
+    check_arrays(el.train.cross_entropy, model, None, (x, y), "data", block_bytes=128)
+    y[37] = 3
+    # 16 bytes a sample (two float32 and an int64): blocks of 8 samples, the last 32-39.
+    with pytest.raises(ValueError, match=r"samples 32 to 39 .*labels from 0 to 3.*index \(5,\)"):
+        check_arrays(el.train.cross_entropy, model, None, (x, y), "data", block_bytes=128)
+    y[37], x[3, 0] = 0, np.nan
+    with pytest.raises(ValueError, match=r"data, samples 0 to 7 .*non-finite.*\(3, 0\)"):
+        check_arrays(el.train.cross_entropy, model, None, (x, y), "data", block_bytes=128)
 
 
 def test_a_stream_split_over_processes_without_jax_distributed_is_refused(tmp_path):

@@ -293,6 +293,11 @@ class DataStream:
         return num_batches
 
     @property
+    def arrays(self) -> tuple[np.ndarray, ...] | None:
+        """The source's arrays (memory maps for `.npy` files), or `None` for an iterator."""
+        return None if self._arrays is None else tuple(self._arrays)
+
+    @property
     def in_memory(self) -> bool:
         """Whether every batch is a copy of arrays already in memory: no `.npy` file or
         `np.memmap` to read (which may wait on the disk) and no iterator to run."""

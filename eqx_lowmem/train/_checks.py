@@ -188,23 +188,6 @@ def check_mesh(mesh: Mesh | None, data_axis: str, micro_batch: int) -> None:
         )
 
 
-def check_eval_data(
-    step_fn: Step, loss, state: TrainState, eval_data: Any, eval_stream, traced: set | None = None
-) -> None:
-    """`eval_data` checked as training data is, before the first update: arrays whole
-    (NaN, labels out of range; one pass on the host), a stream's first batch; and the
-    loss traced on a batch of it (a `y` of the wrong shape)."""
-    if eval_stream is None:
-        return
-    if isinstance(eval_data, (tuple, list)):
-        try:
-            arrays = tuple(a for a in eval_data if a is not None)
-            check_data(loss, state.model, arrays, step_fn.policy.compute_dtype)
-        except ValueError as e:
-            raise ValueError(f"eval_data (checked before training): {e}") from e
-    check_model_accepts(step_fn, loss, state, eval_stream, what="eval_data", traced=traced)
-
-
 def check_data(loss, model: Any, batch: tuple, compute_dtype: Any = None) -> None:
     """`check_batch` (NaN, labels out of range), and what JAX or the precision would
     change silently: complex arrays (a real loss of them trains on their real part),

@@ -50,6 +50,32 @@ def host_check(loss: Callable[..., Any], model: Any, dtype: Any) -> Callable[[tu
     return check
 
 
+# `check_arrays`' block: bounded temporaries (a copy of a block of strided rows, the
+# boolean masks of an error's report) at a pass over memory much larger than a cache.
+_BLOCK_BYTES = 64 * 2**20
+
+
+def check_arrays(loss: Callable[..., Any], model: Any, dtype: Any, arrays: tuple,
+                 what: str, block_bytes: int = _BLOCK_BYTES) -> None:  # fmt: skip
+    """`check_data` on arrays held in memory, whole, before training (`fit`'s `check_data`
+    for arrays: a batch is a copy of their rows, so checking them once spares a check of
+    every batch in every epoch, which on a CPU backend takes host time from the step): a
+    block of rows at a time, `BatchCheck`'s one pass per array. An error names `what` and
+    the block's samples; its indices count from the block's first sample."""
+    check = BatchCheck(loss, model, dtype)
+    n = arrays[0].shape[0]
+    row_bytes = sum(a[:1].nbytes for a in arrays)
+    rows = max(1, block_bytes // max(row_bytes, 1))
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        try:
+            check(tuple(a[start:stop] for a in arrays))
+        except ValueError as e:
+            raise ValueError(
+                f"{what}, samples {start} to {stop - 1} (check_data=False skips this check): {e}"
+            ) from e
+
+
 def prefetch_sharding(mesh: Mesh | None, data_axis: str, stream: DataStream) -> Any:
     """Batches go straight to their devices when every batch divides over them; a short
     last batch that does not is placed by the step instead."""

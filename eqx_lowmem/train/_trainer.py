@@ -9,6 +9,7 @@ arguments build them for each `fit`, and `hooks=[...]` adds a user's own.
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import threading
@@ -28,9 +29,8 @@ from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy
 from ._batches import groups
 from ._checks import (
-    check_data,
+    BatchCheck,
     check_directory,
-    check_eval_data,
     check_fit_args,
     check_mesh,
     check_model_accepts,
@@ -46,6 +46,7 @@ from ._loop import (
     BadBatch,
     assemble,
     bad_batch_error,
+    check_arrays,
     epoch_batches,
     host_check,
     on_host,
@@ -183,13 +184,15 @@ class Trainer:
             143 for SIGTERM), or `"raise"`s KeyboardInterrupt (for notebooks:
             `trainer.state` is the saved state). A second signal stops at once, without
             saving. Only in the main thread (Python delivers signals there).
-        check_data: check every micro-batch on the host before its update for data a loss
-            would silently accept (`eqx_lowmem.train._losses.check_batch`: NaN or inf, and
-            labels or token ids outside the model's classes for the built-in losses). Time:
-            one pass over each batch's host arrays before they are copied to the device
-            (no copy back, no wait for the step), in the prefetch thread where there is
-            one (not on a CPU backend with arrays in memory). False checks only
-            the first batch.
+        check_data: check the data on the host for what a loss would silently accept
+            (`eqx_lowmem.train._losses.check_batch`: NaN or inf, and labels or token ids
+            outside the model's classes for the built-in losses), before it trains on it.
+            Arrays in memory (`fit(X, y)`, `eval_data=(X, y)`, a `DataStream` over them)
+            are checked whole once, before the first update: one pass over them, as fast
+            as the memory reads. A stream that reads files or runs an iterator has each
+            micro-batch checked before its update, as it is read (one pass over its host
+            arrays, in the prefetch thread: no copy back, no wait for the step). False
+            checks only the first batch.
         config: a JSON-serialisable dict of your own settings (model size, data file, ...)
             recorded in every checkpoint; a rerun with a different one is refused.
         check_resume: refuse to resume a checkpoint made with other settings: the
@@ -420,7 +423,15 @@ class Trainer:
             self._model = self._model_state = None  # held once, in the state
         self._keep_handed_out()
         check_model_accepts(self.step_fn, self.loss, self.state, stream, traced=self._traced)
-        check_eval_data(self.step_fn, self.loss, self.state, eval_data, eval_stream, self._traced)
+        if eval_stream is not None:
+            check_model_accepts(self.step_fn, self.loss, self.state, eval_stream,
+                                what="eval_data", traced=self._traced)  # fmt: skip
+        # Arrays in memory are checked whole, once; a stream that reads (files, an
+        # iterator) batch by batch as it serves them (`_epoch`, `_evaluate`).
+        for data, what in ((stream, "the training data"), (eval_stream, "eval_data")):
+            if self.check_data and data is not None and data.in_memory:
+                self._check_arrays(data, f"{what} (checked before the first update)",
+                                   self.state.model)  # fmt: skip
         # Counted from here: a second fit without a checkpoint trains this many more.
         run = RunState(
             stream=stream,
@@ -460,7 +471,8 @@ class Trainer:
         TensorBoard, `callback`, yours, checkpoints (saving all that), stop signals."""
         hooks: list[Hook] = []
         if eval_stream is not None:
-            hooks.append(Evaluation(self.evaluate, eval_stream, eval_every))
+            evaluate = functools.partial(self._evaluate, arrays_checked=True)  # by `_fit`
+            hooks.append(Evaluation(evaluate, eval_stream, eval_every))
         progress = Progress(self.progress, self.log_seconds)
         if progress.mode is not None:  # progress=False: nothing to call per update
             hooks.append(progress)
@@ -497,9 +509,9 @@ class Trainer:
         non-finite update stops training before the next is applied."""
         assert self.state is not None
         stream, epoch = run.stream, run.stream.epoch
-        dtype = self.step_fn.policy.compute_dtype
         check = None
-        if self.check_data:
+        if self.check_data and not stream.in_memory:  # arrays in memory: checked by `_fit`
+            dtype = self.step_fn.policy.compute_dtype
             check = host_check(self.loss, shapes_of(self.state.model), dtype)
         batches = epoch_batches(stream, self.mesh, self.data_axis, check)
         size, stateful = self.accumulate * stream.batch_size, self.state.model_state is not None
@@ -616,14 +628,24 @@ class Trainer:
             data if isinstance(data, DataStream) else make_eval_stream(data, micro_batch or 256)
         )
         assert stream is not None
+        return self._evaluate(stream, arrays_checked=False)
+
+    def _evaluate(self, stream: DataStream, arrays_checked: bool) -> float:
+        """`evaluate` on `stream`, its data checked as `fit` checks training data: arrays
+        in memory whole first (unless `arrays_checked`: `fit` did), else batch by batch."""
         model, model_state = self._held()
+        check = None
+        if self.check_data and not stream.in_memory:
+            check = BatchCheck(self.loss, model, self.step_fn.policy.compute_dtype)
+        elif self.check_data and not arrays_checked:
+            self._check_arrays(stream, "the evaluation data", model)
+        return mean_loss(self._eval_fn, model, model_state, stream, check)
+
+    def _check_arrays(self, stream: DataStream, what: str, model: Any) -> None:
+        """`check_data` on the arrays in memory that `stream` serves, whole."""
+        assert stream.arrays is not None
         dtype = self.step_fn.policy.compute_dtype
-
-        def check(batch: tuple) -> None:  # as training batches are: NaN, labels out of range
-            check_data(self.loss, model, batch, dtype)
-
-        return mean_loss(self._eval_fn, model, model_state, stream,
-                         check if self.check_data else None)  # fmt: skip
+        check_arrays(self.loss, shapes_of(model), dtype, stream.arrays, what)
 
 
 def _overrides(hook: Any, method: str) -> bool:
