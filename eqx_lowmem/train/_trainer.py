@@ -422,16 +422,20 @@ class Trainer:
             self.state = self.step_fn.init(model, key=state_key, model_state=model_state)
             self._model = self._model_state = None  # held once, in the state
         self._keep_handed_out()
-        check_model_accepts(self.step_fn, self.loss, self.state, stream, traced=self._traced)
-        if eval_stream is not None:
-            check_model_accepts(self.step_fn, self.loss, self.state, eval_stream,
-                                what="eval_data", traced=self._traced)  # fmt: skip
-        # Arrays in memory are checked whole, once; a stream that reads (files, an
-        # iterator) batch by batch as it serves them (`_epoch`, `_evaluate`).
-        for data, what in ((stream, "the training data"), (eval_stream, "eval_data")):
-            if self.check_data and data is not None and data.in_memory:
-                self._check_arrays(data, f"{what} (checked before the first update)",
+        # The data's values are checked before the loss is traced on them (a complex array
+        # or a float16 overflow gets its own error) and before their use: arrays in memory
+        # whole, once, here; a stream that reads (files, an iterator) batch by batch as it
+        # serves them (`_epoch`, `_evaluate`), and its first batch here.
+        for data, what, named in ((stream, "a micro-batch", "the training data"),
+                                  (eval_stream, "eval_data", "eval_data")):  # fmt: skip
+            if data is None:
+                continue
+            whole = self.check_data and data.in_memory
+            if whole:
+                self._check_arrays(data, f"{named} (checked before the first update)",
                                    self.state.model)  # fmt: skip
+            check_model_accepts(self.step_fn, self.loss, self.state, data, what, self._traced,
+                                check_values=not whole)  # fmt: skip
         # Counted from here: a second fit without a checkpoint trains this many more.
         run = RunState(
             stream=stream,
