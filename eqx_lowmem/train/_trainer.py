@@ -9,7 +9,6 @@ arguments build them for each `fit`, and `hooks=[...]` adds a user's own.
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 import threading
@@ -188,11 +187,11 @@ class Trainer:
             (`eqx_lowmem.train._losses.check_batch`: NaN or inf, and labels or token ids
             outside the model's classes for the built-in losses), before it trains on it.
             Arrays in memory (`fit(X, y)`, `eval_data=(X, y)`, a `DataStream` over them)
-            are checked whole once, before the first update: one pass over them, as fast
-            as the memory reads. A stream that reads files or runs an iterator has each
-            micro-batch checked before its update, as it is read (one pass over its host
-            arrays, in the prefetch thread: no copy back, no wait for the step). False
-            checks only the first batch.
+            are checked whole once, before the first update (evaluation arrays again at
+            each evaluation): one pass over them, as fast as the memory reads. A stream
+            that reads files or runs an iterator has each micro-batch checked before its
+            update, as it is read (one pass over its host arrays, in the prefetch thread:
+            no copy back, no wait for the step). False checks only the first batch.
         config: a JSON-serialisable dict of your own settings (model size, data file, ...)
             recorded in every checkpoint; a rerun with a different one is refused.
         check_resume: refuse to resume a checkpoint made with other settings: the
@@ -425,7 +424,7 @@ class Trainer:
         # The data's values are checked before the loss is traced on them (a complex array
         # or a float16 overflow gets its own error) and before their use: arrays in memory
         # whole, once, here; a stream that reads (files, an iterator) batch by batch as it
-        # serves them (`_epoch`, `_evaluate`), and its first batch here.
+        # serves them (`_epoch`, `evaluate`), and its first batch here.
         for data, what, named in ((stream, "a micro-batch", "the training data"),
                                   (eval_stream, "eval_data", "eval_data")):  # fmt: skip
             if data is None:
@@ -475,8 +474,7 @@ class Trainer:
         TensorBoard, `callback`, yours, checkpoints (saving all that), stop signals."""
         hooks: list[Hook] = []
         if eval_stream is not None:
-            evaluate = functools.partial(self._evaluate, arrays_checked=True)  # by `_fit`
-            hooks.append(Evaluation(evaluate, eval_stream, eval_every))
+            hooks.append(Evaluation(self.evaluate, eval_stream, eval_every))
         progress = Progress(self.progress, self.log_seconds)
         if progress.mode is not None:  # progress=False: nothing to call per update
             hooks.append(progress)
@@ -632,16 +630,11 @@ class Trainer:
             data if isinstance(data, DataStream) else make_eval_stream(data, micro_batch or 256)
         )
         assert stream is not None
-        return self._evaluate(stream, arrays_checked=False)
-
-    def _evaluate(self, stream: DataStream, arrays_checked: bool) -> float:
-        """`evaluate` on `stream`, its data checked as `fit` checks training data: arrays
-        in memory whole first (unless `arrays_checked`: `fit` did), else batch by batch."""
         model, model_state = self._held()
-        check = None
+        check = None  # the data checked as `fit` checks it: arrays whole, else batch by batch
         if self.check_data and not stream.in_memory:
             check = BatchCheck(self.loss, model, self.step_fn.policy.compute_dtype)
-        elif self.check_data and not arrays_checked:
+        elif self.check_data:
             self._check_arrays(stream, "the evaluation data", model)
         return mean_loss(self._eval_fn, model, model_state, stream, check)
 
