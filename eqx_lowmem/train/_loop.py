@@ -61,7 +61,7 @@ def check_arrays(loss: Callable[..., Any], model: Any, dtype: Any, arrays: tuple
     for arrays: a batch is a copy of their rows, so checking them once spares a check of
     every batch in every epoch, which on a CPU backend takes host time from the step): a
     block of rows at a time, `BatchCheck`'s one pass per array. An error names `what` and
-    the block's samples; its indices count from the block's first sample."""
+    the block's samples, and says its indices count from the block's first sample."""
     check = BatchCheck(loss, model, dtype)
     n = arrays[0].shape[0]
     row_bytes = sum(a[:1].nbytes for a in arrays)
@@ -71,8 +71,10 @@ def check_arrays(loss: Callable[..., Any], model: Any, dtype: Any, arrays: tuple
         try:
             check(tuple(a[start:stop] for a in arrays))
         except ValueError as e:
+            offset = f"; its indices count from sample {start}" if start else ""
             raise ValueError(
-                f"{what}, samples {start} to {stop - 1} (check_data=False skips this check): {e}"
+                f"{what}, samples {start} to {stop - 1} (check_data=False skips this "
+                f"check{offset}): {e}"
             ) from e
 
 
