@@ -186,7 +186,7 @@ def guide_row(cfg: dict, opts: dict) -> dict:
 def precision_row(cfg: dict, preset: str) -> dict:
     """What the backward pass keeps in `preset` (traced), and parameters + Adam's state."""
 
-    policy, found = el.precision.PRESETS[preset], []
+    policy, found = el.precision.get_policy(preset), []
 
     def loss(params, x, y):
         model = policy.cast_to_compute(params)
