@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, PyTree
 
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy
-from ._batches import ones
+from ._batches import ones, unit_scale
 from ._gradient import batch_sums
 from ._shard import auto_mesh, fsdp_layout, in_auto_axes, state_shardings
 from ._state import (
@@ -257,9 +257,10 @@ class Step:
         Returns:
             The new state and metrics: `loss` (the weighted mean over the batch),
             `weight` (total weight), `grad_norm` (of the accumulated gradient, before
-            clipping), `finite` (False when the update was skipped), `loss_scale`,
-            and with `skip_nonfinite`, `params_finite` (False when the new parameters
-            hold NaN or inf: one more read of every parameter, after the update).
+            clipping), `finite` (False when the update was skipped), `loss_scale` (1.0
+            without one), and with `skip_nonfinite`, `params_finite` (False when the new
+            parameters hold NaN or inf: one more read of every parameter, after the
+            update).
         """
         dynamic, static = self._split(state)
         new_dynamic, metrics = self.call_split(dynamic, static, batch, weights)
@@ -309,7 +310,10 @@ class Step:
             else:
                 batch, w = jax.device_put((batch, w), sharding)
         run = self._jitted if c.jit else self._step_arrays
-        return run(batch, w, dynamic, static)
+        new_dynamic, metrics = run(batch, w, dynamic, static)
+        if "loss_scale" not in metrics:
+            metrics["loss_scale"] = unit_scale()
+        return new_dynamic, metrics
 
     def _split(self, state: TrainState) -> tuple[list, Static]:
         """`state`'s arrays and the rest (`_state.split`; kept for the state this step
@@ -422,13 +426,10 @@ class Step:
             new = self._constrain(new)
         loss_scale = None if state.loss_scale is None else state.loss_scale.adjust(mean.finite)
         new = dataclasses.replace(new, loss_scale=loss_scale)
-        metrics = {
-            "loss": mean.loss,
-            "weight": mean.weight,
-            "grad_norm": mean.norm,
-            "finite": mean.finite,
-            "loss_scale": scale,
-        }
+        metrics = {"loss": mean.loss, "weight": mean.weight, "grad_norm": mean.norm,
+                   "finite": mean.finite}  # fmt: skip
+        if state.loss_scale is not None:  # else 1, added by `call_split` (`unit_scale`)
+            metrics["loss_scale"] = scale
         if c.skip_nonfinite:
             metrics["params_finite"] = all_finite(
                 eqx.filter(new.model, eqx.is_inexact_array), chunked=c.mesh is None
