@@ -53,22 +53,6 @@ def ones(n: int) -> jax.Array:
     return weights
 
 
-_UNIT: list[jax.Array] = []
-
-
-def unit_scale() -> jax.Array:
-    """The `loss_scale` metric of a step without a loss scale: 1.0, put on the device once.
-    Not an output of the step's program: a constant output costs a copy (a kernel on a
-    GPU) and an output buffer, about 4 us of a small step's host time. Never kept from
-    inside a trace."""
-    if not _UNIT:
-        one = jnp.ones((), jnp.float32)
-        if isinstance(one, jax.core.Tracer):
-            return one
-        _UNIT.append(one)
-    return _UNIT[0]
-
-
 def pad(micro: list[tuple], size: int) -> tuple[tuple, jax.Array]:
     """Concatenate micro-batches and pad to `size` samples at weight 0 (one compilation)."""
     batch = concat(micro)

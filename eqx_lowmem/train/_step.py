@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, PyTree
 
 from ..precision._loss_scale import DynamicLossScale
 from ..precision._policy import Policy
-from ._batches import ones, unit_scale
+from ._batches import ones
 from ._gradient import batch_sums
 from ._shard import auto_mesh, fsdp_layout, in_auto_axes, state_shardings
 from ._state import (
@@ -94,6 +94,22 @@ class _Config:
     accumulate_dtype: Any = jnp.dtype(jnp.float32)
     fuse_accumulation: bool = True
     skip_nonfinite: bool = False
+
+
+_UNIT: list[jax.Array] = []
+
+
+def _unit_scale() -> jax.Array:
+    """The `loss_scale` metric of a step without a loss scale: 1.0, put on the device once.
+    Not an output of the step's program: a constant output costs a copy (a kernel on a
+    GPU) and an output buffer, about 4 us of a small step's host time. Never kept from
+    inside a trace."""
+    if not _UNIT:
+        one = jnp.ones((), jnp.float32)
+        if isinstance(one, jax.core.Tracer):
+            return one
+        _UNIT.append(one)
+    return _UNIT[0]
 
 
 class Step:
@@ -312,7 +328,7 @@ class Step:
         run = self._jitted if c.jit else self._step_arrays
         new_dynamic, metrics = run(batch, w, dynamic, static)
         if "loss_scale" not in metrics:
-            metrics["loss_scale"] = unit_scale()
+            metrics["loss_scale"] = _unit_scale()
         return new_dynamic, metrics
 
     def _split(self, state: TrainState) -> tuple[list, Static]:
@@ -428,7 +444,7 @@ class Step:
         new = dataclasses.replace(new, loss_scale=loss_scale)
         metrics = {"loss": mean.loss, "weight": mean.weight, "grad_norm": mean.norm,
                    "finite": mean.finite}  # fmt: skip
-        if state.loss_scale is not None:  # else 1, added by `call_split` (`unit_scale`)
+        if state.loss_scale is not None:  # else 1, added by `call_split` (`_unit_scale`)
             metrics["loss_scale"] = scale
         if c.skip_nonfinite:
             metrics["params_finite"] = all_finite(
