@@ -38,16 +38,17 @@ def concat(micro: list[tuple]) -> tuple:
     return tuple(jnp.concatenate(f) if len(f) > 1 else f[0] for f in fields)
 
 
-_ONES: dict[int, jax.Array] = {}
+_ONES: dict[int | tuple[int, ...], jax.Array] = {}
 
 
-def ones(n: int) -> jax.Array:
-    """Weights of 1 for `n` samples, put on the device once per size (a transfer per call
-    cost 1 ms an update of a 6 ms MLP step, as much as the rest of its dispatch); never
-    donated, so they are reused. Never kept from inside a trace."""
+def ones(n: int | tuple[int, ...]) -> jax.Array:
+    """Float32 ones of shape `n` (an int: weights of 1 for `n` samples; `()`: the unit
+    `loss_scale` metric of a step without a loss scale), put on the device once per shape
+    (a transfer per call cost 1 ms an update of a 6 ms MLP step, as much as the rest of its
+    dispatch); never donated, so they are reused. Never kept from inside a trace."""
     weights = _ONES.get(n)
     if weights is None:
-        weights = jnp.ones((n,), jnp.float32)
+        weights = jnp.ones(n, jnp.float32)
         if not isinstance(weights, jax.core.Tracer):
             _ONES[n] = weights
     return weights

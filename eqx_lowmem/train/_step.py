@@ -96,22 +96,6 @@ class _Config:
     skip_nonfinite: bool = False
 
 
-_UNIT: list[jax.Array] = []
-
-
-def _unit_scale() -> jax.Array:
-    """The `loss_scale` metric of a step without a loss scale: 1.0, put on the device once.
-    Not an output of the step's program: a constant output costs a copy (a kernel on a
-    GPU) and an output buffer, about 4 us of a small step's host time. Never kept from
-    inside a trace."""
-    if not _UNIT:
-        one = jnp.ones((), jnp.float32)
-        if isinstance(one, jax.core.Tracer):
-            return one
-        _UNIT.append(one)
-    return _UNIT[0]
-
-
 class Step:
     """A training step built by `make_step` (the only constructor); call it as
     `state, metrics = step(state, batch)`."""
@@ -328,7 +312,9 @@ class Step:
         run = self._jitted if c.jit else self._step_arrays
         new_dynamic, metrics = run(batch, w, dynamic, static)
         if "loss_scale" not in metrics:
-            metrics["loss_scale"] = _unit_scale()
+            # No loss scale: 1, not an output of the program (a constant output costs a
+            # copy, a kernel on a GPU, and an output buffer: about 4 us of a small step).
+            metrics["loss_scale"] = ones(())
         return new_dynamic, metrics
 
     def _split(self, state: TrainState) -> tuple[list, Static]:
@@ -444,7 +430,7 @@ class Step:
         new = dataclasses.replace(new, loss_scale=loss_scale)
         metrics = {"loss": mean.loss, "weight": mean.weight, "grad_norm": mean.norm,
                    "finite": mean.finite}  # fmt: skip
-        if state.loss_scale is not None:  # else 1, added by `call_split` (`_unit_scale`)
+        if state.loss_scale is not None:  # else 1, added by `call_split`
             metrics["loss_scale"] = scale
         if c.skip_nonfinite:
             metrics["params_finite"] = all_finite(
