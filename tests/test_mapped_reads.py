@@ -262,3 +262,21 @@ def test_a_forked_child_holds_no_lease_and_reads_through_the_kernel(tmp_path):
     waited, child = run.stdout.split()
     assert float(waited) < 1.0  # not the kernel's 45 s for a lease nobody watches
     assert child == "0"  # the child's read of the truncated file raised, no SIGBUS
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_large_reads_start_on_a_64_byte_boundary(tmp_path, method):
+    # From 64 KiB a read lands where XLA:CPU uses it in place (see test_data_stream).
+    array = np.arange(96 * 1024, dtype=np.float32).reshape(96, 1024)  # 4 KiB rows
+    path = tmp_path / "x.npy"
+    np.save(path, array)
+    with path.open("rb") as f:
+        np.lib.format.read_magic(f)
+        np.lib.format.read_array_header_1_0(f)
+        offset = f.tell()
+    mapped = np.load(path, mmap_mode="r").view(np.ndarray)
+    rows = MappedRows(mapped, path, offset, _never_changed, method=method)
+    indices = np.arange(1, 96, 3)  # 32 rows: 128 KiB
+    for got, want in [(rows.gather(indices), array[indices]), (rows.slice(5, 37), array[5:37])]:
+        np.testing.assert_array_equal(got, want)
+        assert got.ctypes.data % 64 == 0 and got.flags.c_contiguous

@@ -3,9 +3,20 @@ or at random out of a bounded buffer of samples."""
 
 import numpy as np
 
-from ._sources import SampleReader
+from ._sources import SampleReader, empty_rows, row_gather
 
 Batch = tuple[np.ndarray, ...]
+
+
+def _joined(arrays: list[np.ndarray], new_axis: bool = True) -> np.ndarray:
+    """`arrays` stacked along a new first axis (or concatenated along the first) into a
+    fresh `empty_rows` array."""
+    first = arrays[0]
+    if new_axis:
+        out = empty_rows(len(arrays), first.shape, first.dtype)
+        return np.stack(arrays, out=out)
+    out = empty_rows(sum(len(a) for a in arrays), first.shape[1:], first.dtype)
+    return np.concatenate(arrays, out=out)
 
 
 class InOrder:
@@ -21,7 +32,7 @@ class InOrder:
         if not (gather and samples):
             return None, len(samples)
         columns = zip(*samples, strict=True)
-        return tuple(np.stack(column) for column in columns), len(samples)
+        return tuple(_joined(list(column)) for column in columns), len(samples)
 
 
 class ShuffleBuffer:
@@ -41,6 +52,7 @@ class ShuffleBuffer:
         # Allocated once per epoch and reused: batches are gathered out of it, never views.
         spec = reader.spec or []
         self._fields = [np.empty((capacity, *shape), dtype) for shape, dtype in spec]
+        self._rows = [row_gather(field) for field in self._fields]
         self.count = 0
         while self.count < capacity:
             samples = reader.take(min(chunk, capacity - self.count))
@@ -65,13 +77,15 @@ class ShuffleBuffer:
             take = min(size - count, self.count)
             slots = self._rng.choice(self.count, size=take, replace=False)
             if gather:
-                parts.append(tuple(field[slots] for field in self._fields))
+                parts.append(tuple(rows(slots) for rows in self._rows))
             count += take
             self._refill(slots)
         if not parts:
             return None, count
+        if len(parts) == 1:
+            return parts[0], count
         fields = zip(*parts, strict=True)
-        return tuple(np.concatenate(f) if len(parts) > 1 else f[0] for f in fields), count
+        return tuple(_joined(list(f), new_axis=False) for f in fields), count
 
     def _refill(self, slots: np.ndarray) -> None:
         """Refill the emptied `slots` from the reader. Where it has ended, move samples from

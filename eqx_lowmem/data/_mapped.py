@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._sources import row_gather
+from ._sources import copy_rows, empty_rows, row_gather
 
 if sys.platform != "win32":  # leases: Linux's fcntl; elsewhere `_take_lease` refuses
     import fcntl
@@ -204,10 +204,8 @@ class MappedRows:
             self._run_bytes = array.itemsize
         self._local = threading.local()  # each thread's iovec buffer
         # Under the lease: NumPy's copy, C-ordered as the kernel's.
-        self._numpy_gather = (
-            row_gather(array) if sample.flags.c_contiguous
-            else lambda indices: np.ascontiguousarray(array[indices])
-        )  # fmt: skip
+        self._numpy_gather = row_gather(array)
+        self._numpy_slice = copy_rows(array)
         if self.method == "lease":
             _LeaseWatch.add(self)
 
@@ -217,7 +215,7 @@ class MappedRows:
         with self._lock:
             if self._leased():
                 return self._numpy_gather(indices)
-        out = np.empty((indices.size, *self._sample_shape), self._dtype)
+        out = empty_rows(indices.size, self._sample_shape, self._dtype)
         if out.nbytes == 0:
             return out
         starts = indices[:, None] * self._row_stride + self._runs[None, :]
@@ -228,9 +226,9 @@ class MappedRows:
         """Rows `start:stop` as a fresh array: one run when rows are contiguous."""
         with self._lock:
             if self._leased():
-                return self._array[start:stop].copy()
+                return self._numpy_slice(start, stop)
         if self._rows_contiguous:
-            out = np.empty((stop - start, *self._sample_shape), self._dtype)
+            out = empty_rows(stop - start, self._sample_shape, self._dtype)
             if out.nbytes:
                 self._copy(np.array([start * self._row_stride], np.int64), out, out.nbytes)
             return out
