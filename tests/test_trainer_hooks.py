@@ -5,6 +5,7 @@ arguments build."""
 
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import optax
 import pytest
 
@@ -230,9 +231,9 @@ class _Lead(el.train.Hook):
         self.heard.append((info.update, self.trainer.updates, info.metrics["loss"]))
 
 
-def test_on_the_cpu_backend_metrics_are_read_four_updates_late_in_one_wait():
+def test_on_the_cpu_backend_metrics_are_read_sixteen_updates_late_in_one_wait():
     # Each wait for a running step takes host CPU from the step's threads: on the CPU
-    # backend the Trainer reads the metrics of up to 4 updates after one wait, while the
+    # backend the Trainer reads the metrics of up to 16 updates after one wait, while the
     # newest runs. A hook that is `due` every update still hears each one before the next.
     # Either way: every update once, in order, with the same losses.
     X, y = _data()
@@ -242,13 +243,24 @@ def test_on_the_cpu_backend_metrics_are_read_four_updates_late_in_one_wait():
         trainer = el.train.Trainer(el.nn.mlp([2, 4, 1], key=jr.PRNGKey(0)), el.train.mse,
                                    optax.sgd(0.05), hooks=[hook], progress=False)  # fmt: skip
         hook.trainer = trainer
-        trainer.fit(X, y, epochs=2, micro_batch=4, key=jr.PRNGKey(1))  # 16 updates an epoch
+        trainer.fit(X, y, epochs=2, micro_batch=2, key=jr.PRNGKey(1))  # 32 updates an epoch
         runs[every] = hook.heard
     late = [dispatched - update for update, dispatched, _ in runs[False]]
-    assert max(late) == 4 and late[0] == 4
+    assert max(late) == 16 and late[0] == 16
     assert all(d == u for u, d, _ in runs[True])
     assert [(u, v) for u, _, v in runs[False]] == [(u, v) for u, _, v in runs[True]]
-    assert [u for u, _, _ in runs[False]] == list(range(1, 33))
+    assert [u for u, _, _ in runs[False]] == list(range(1, 65))
+
+
+def test_fewer_updates_are_read_late_where_their_batches_are_large():
+    # An update in flight holds its batch: at most 64 MiB of them (and 16 updates).
+    from eqx_lowmem.train._loop import host_lag
+
+    mib = np.empty(2**20, np.uint8)
+    assert host_lag((mib,)) == 16
+    assert host_lag((np.empty(8 * 2**20, np.uint8), jnp.zeros(4))) == 7  # 64 MiB // (8 MiB + 16 B)
+    assert host_lag((np.empty(65 * 2**20, np.uint8),)) == 1
+    assert host_lag((jnp.zeros((2**20,), jnp.float32),) * 2) == 8  # device arrays: 4 MiB each
 
 
 def test_two_tensorboard_writers_in_one_second_keep_both_runs(tmp_path):

@@ -48,6 +48,7 @@ from ._loop import (
     check_arrays,
     epoch_batches,
     host_check,
+    host_lag,
     on_host,
     shapes_of,
     skip_or_stop,
@@ -58,10 +59,6 @@ from ._run import EpochSums, RunState
 from ._signals import Interrupts
 from ._state import TrainState, copy_arrays, merge, split
 from ._tensorboard import TensorBoard
-
-# On the CPU backend a wait for a running step takes CPU from its threads: there the
-# metrics are read every `_HOST_LAG` updates, after one wait (more updates in flight).
-_HOST_LAG = 4
 
 
 class Trainer:
@@ -505,8 +502,8 @@ class Trainer:
         """Updates from the stream's position to the end of its epoch (or of the run).
 
         Update n's metrics are read while update n + 1 runs (on the CPU backend, while
-        updates n + 1 to n + `_HOST_LAG` run), unless a hook is `due` at n or the epoch or
-        run ends there, or the step skips a non-finite update without a loss scale
+        updates n + 1 to n + `host_lag` run: up to 16), unless a hook is `due` at n or the
+        epoch or run ends there, or the step skips a non-finite update without a loss scale
         (`skip_nonfinite=True`): then trainer.state must stay the last good state, and a
         non-finite update stops training before the next is applied."""
         assert self.state is not None
@@ -520,7 +517,7 @@ class Trainer:
         overlap = self.step_fn.loss_scale is not None or not self.step_fn.skip_nonfinite
         pending: list[tuple[Any, int]] = []  # (metrics, update) dispatched, not read yet
         copy_ahead = not on_host(self.mesh)  # on the CPU backend already in host memory
-        lag = 1 if copy_ahead else _HOST_LAG
+        lag = 1 if copy_ahead else None  # on the CPU backend, from the first batch's bytes
         served = False
         # Only the hooks with something to do are called each update.
         dues = [h for h in hooks if _overrides(h, "due")]
@@ -532,6 +529,7 @@ class Trainer:
             for micro in groups(batches, self.accumulate):
                 served = True
                 batch, weights = assemble(micro, size, stateful)
+                lag = lag or host_lag(batch)
                 dynamic, metrics = step(dynamic, static, batch, weights)
                 self._state, self._arrays = None, (dynamic, static)
                 run.updates += 1
