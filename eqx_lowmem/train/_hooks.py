@@ -106,7 +106,8 @@ class Hook:
         """Whether this hook needs the state after update `update` (to save or evaluate
         it, or to stop there): the Trainer then reads that update before starting the
         next. Default False: the metrics may be read while later updates run (the next
-        one; on the CPU backend, where each wait takes CPU from the step, up to 4)."""
+        one; on the CPU backend, where each wait takes CPU from the step, up to 16, fewer
+        where their batches pass 64 MiB)."""
         return False
 
     def on_update(self, info: StepInfo) -> Mapping[str, float | int] | None:
