@@ -133,15 +133,19 @@ def concrete(x: Any) -> np.ndarray | None:
 
 def within(a: np.ndarray, limit: float = float("inf")) -> bool:
     """True when every value of the float32 or float64 array `a` is finite and at most
-    `limit` in magnitude, known from one BLAS pass: the dot product of `a` with itself is
-    finite and at most `limit**2` only then. False means only "not known here" (a NaN, an
-    inf, a value beyond `limit`, or squares whose sum overflows or passes `limit**2`): scan
-    the values then. About a third of `np.isfinite(a).all()`'s time, and no boolean copy."""
+    `limit` in magnitude, known from one pass: the sum of the squares of `a` is finite and
+    at most `limit**2` only then. False means only "not known here" (a NaN, an inf, a value
+    beyond `limit`, or squares whose sum overflows or passes `limit**2`): scan the values
+    then. No boolean copy, and NumPy's own loop (`einsum`) rather than a BLAS dot: on 32 MiB
+    the two take 1.28 and 1.23 ms (`np.isfinite(a).all()` 1.94), but BLAS threads that
+    outlive the call took CPU from a running XLA:CPU step: `Trainer.fit` of an epoch of 40
+    updates of an MLP, whose arrays it checks whole, ran 0.963-0.969x a hand loop with the
+    dot and 0.971-0.978x with `einsum` (0.981-0.983x unchecked)."""
     if a.dtype not in (np.float32, np.float64) or not a.size:
         return False
     flat = a.reshape(-1)
     with np.errstate(over="ignore", invalid="ignore"):  # an inf or NaN sum: scan
-        squares = float(np.dot(flat, flat))
+        squares = float(np.einsum("i,i->", flat, flat))
     return math.isfinite(squares) and squares <= limit * limit
 
 
