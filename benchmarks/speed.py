@@ -7,7 +7,9 @@ outside the timer, burns in and times updates synchronised with `jax.block_until
 - `--device gpu` (a run of at most 8 minutes): the guide's sizes, each configuration in a
   process of its own with `XLA_PYTHON_CLIENT_PREALLOCATE=false`, so that
   `device.memory_stats()["peak_bytes_in_use"]` is its peak; the memory report's prediction
-  beside it (goal: within 5%). Writes `results/gpu.json`.
+  beside it (goal: within 5%). The kinds whose goals are time ratios and whose memory is
+  the compiler's (`SIDE_BY_SIDE`: steps, `fit`, the LM loss) run as on a CPU instead, a
+  group in one process, side by side. Writes `results/gpu.json`.
 - `--device cpu`: reduced sizes; each group's configurations in one process, timed in
   rounds that alternate their order (ABBA), a ratio the median of per-round ratios: the
   drift of a shared machine cancels. Writes `results/speed.json`.
@@ -75,7 +77,7 @@ SIZES = {
     "gpu": {"transformer": GUIDE, "mlp": SPARSE_MLP,
             "wrn": {"depth": 28, "width": 2, "batch": 100, "image": 32}, "stream_samples": 512,
             "lm_loss": LM_LOSS, "step_scale": 8, "plan": PLAN, "char_lm": CHAR_LM_GUIDE,
-            "timing": {"burn_in": 3, "repeats": 10}},
+            "timing": {"burn_in": 3, "repeats": 10, "repeats_short": 61}},
     # A CPU update of the guide's size takes seconds: 4 blocks of width 128 (about 0.07 s).
     "cpu": {"transformer": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512,
                             "seq": 128, "batch": 8},
@@ -166,8 +168,12 @@ GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
     },
 }
 # Kinds whose calls take about 0.1 s and whose 3% goals need more rounds than 9: on a CPU
-# they are timed in `timing["repeats_short"]` rounds.
+# they are timed in `timing["repeats_short"]` rounds (on a GPU, so are `SIDE_BY_SIDE`'s).
 SHORT_KINDS = ("step", "fit")
+# Kinds a GPU run times side by side, a group in one process: their goals are ratios of
+# times a few percent apart (a process of its own would add the drift between processes),
+# and their memory figures come from the compiler, not the process's peak.
+SIDE_BY_SIDE = ("step", "fit", "lm_loss")
 REPORT_TOLERANCE = 0.05
 # The first update's loss and gradient norm, relative, between configurations computing the
 # same function, all in float32 (a GPU's matmuls may use TF32).
@@ -216,8 +222,9 @@ def worker(payload: dict) -> dict:
     # A slow configuration (seconds a call) in 2 rounds of its own with its baseline:
     # in the others' rounds its calls would swamp their drift-cancelling pairing.
     fast = [n for n in built if not CONFIGS[n].get("slow") or len(built) == 1]
+    short = SHORT_KINDS + (SIDE_BY_SIDE if payload["size"] == "gpu" else ())
     repeats = timing["repeats"]
-    if all(CONFIGS[n]["kind"] in SHORT_KINDS for n in fast):
+    if all(CONFIGS[n]["kind"] in short for n in fast):
         repeats = timing.get("repeats_short", repeats)
     record(interleaved({n: built[n] for n in fast}, max(repeats, 2)), fast)
     for name in (n for n in built if n not in fast):
@@ -310,26 +317,27 @@ def _run(names: list[str], size: str, timeout: float) -> dict:
 
 
 def run_all(names: list[str], device: str, smoke: bool, budget: float) -> dict:
-    """GPU: each configuration in a process of its own (its peak), within `budget`. CPU: the
-    configurations sharing a baseline in one process, timed side by side. Smoke: one."""
+    """CPU: the configurations sharing a baseline in one process, timed side by side. GPU:
+    so for the `SIDE_BY_SIDE` kinds, the others each in a process of its own (its peak);
+    all within `budget`. Smoke: one process."""
     if smoke:
         return _run(names, "smoke", 900)
-    if device == "cpu":
-        groups: dict[str, list[str]] = {}
-        for n in names:
-            base = BASELINES.get(n.split("/")[0]) or n.split("_")[0]
-            groups.setdefault(base, [base] if base in CONFIGS else []).append(n)
-        results = {}
-        for group in groups.values():
-            results |= _run(list(dict.fromkeys(group)), "cpu", 3600)
-        return {n: results[n] for n in names}
-    results, start = {}, time.perf_counter()
+    groups: dict[str, list[str]] = {}
     for n in names:
-        left = budget - (time.perf_counter() - start)
-        skipped = {n: {"skipped": f"the time budget of {budget:.0f} s was spent"}}
-        results |= _run([n], "gpu", min(left, WORKER_TIMEOUT_S)) if left > 10 else skipped
-        print(f"  {n:<36} {json.dumps(results[n])[:150]}", flush=True)
-    return results
+        if device == "gpu" and CONFIGS[n]["kind"] not in SIDE_BY_SIDE:
+            groups[n] = [n]
+            continue
+        base = BASELINES.get(n.split("/")[0]) or n.split("_")[0]
+        groups.setdefault(base, [base] if base in CONFIGS else []).append(n)
+    results, start = {}, time.perf_counter()
+    for group in map(list, map(dict.fromkeys, groups.values())):
+        left = budget - (time.perf_counter() - start) if device == "gpu" else 3600
+        timeout = 3600 if device == "cpu" else min(left, WORKER_TIMEOUT_S * len(group))
+        skipped = {"skipped": f"the time budget of {budget:.0f} s was spent"}
+        results |= _run(group, device, timeout) if left > 10 else dict.fromkeys(group, skipped)
+        for n in group:
+            print(f"  {n:<36} {json.dumps(results[n])[:150]}", flush=True)
+    return {n: results[n] for n in names}
 
 
 def main(argv: list[str] | None = None) -> int:
