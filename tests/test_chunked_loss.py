@@ -151,8 +151,8 @@ def test_the_chunked_loss_and_gradient_hold_a_tenth_of_the_naive_temporaries():
 
 
 def test_the_heads_gradient_is_summed_in_place_not_formed_whole_each_step():
-    # The forward pass adds each step's part of the head's gradient into one buffer a
-    # vocabulary chunk at a time: no second head-sized (vocab, d) buffer beside it.
+    # The forward pass writes each vocabulary chunk's rows of the head's gradient into one
+    # buffer: no second head-sized (vocab, d) buffer beside it.
     n, d, v = 256, 256, 4096
     args = (jnp.ones((n, d)), jnp.ones((v, d)), jnp.zeros((n,), jnp.int32))
 
@@ -181,19 +181,29 @@ def test_a_step_of_the_loss_and_gradient_holds_its_logits_once(bias):
     assert temp < 2 * n * chunk * 4, temp  # a step's logits: n * chunk float32
 
 
-def test_both_ways_of_summing_the_heads_gradient_add_the_same_product():
-    # The GPU's one matmul and the vocabulary loop elsewhere (a chunk that does not divide
-    # the vocabulary: the last chunk overlaps) both give dw + g.T @ hs.
-    from eqx_lowmem.train._chunked import _head_grad_fused, _head_grad_looped
+def test_both_ways_give_the_losses_and_gradients_of_the_whole_logits():
+    # By vocabulary chunks (off a GPU) and by token steps (a GPU's way: run here directly),
+    # with a chunk that does not divide the vocabulary (the last one overlaps): the losses,
+    # the log-sum-exps and d(sum(weights * loss)) of the whole logits.
+    from eqx_lowmem.train._chunked import _token_steps, _vocab_pass
 
-    k = jr.split(jr.key(3), 3)
-    dw, g, hs = jr.normal(k[0], (10, 4)), jr.normal(k[1], (6, 10)), jr.normal(k[2], (6, 4))
-    want = np.asarray(dw) + np.asarray(g, np.float64).T @ np.asarray(hs, np.float64)
-    for got in (
-        _head_grad_fused(dw, g, hs),
-        jax.jit(_head_grad_looped, static_argnums=3)(dw, g, hs, 3),
-    ):
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    k = jr.split(jr.key(3), 5)
+    h, w, b = jr.normal(k[0], (12, 8)), jr.normal(k[1], (13, 8)), jr.normal(k[2], (13,))
+    t = jr.randint(k[3], (12,), 0, 13)
+    weights = (jr.uniform(k[4], (12,)) > 0.3).astype(jnp.float32)
+    logits = h @ w.T + b[None, :]
+
+    def naive(h, w, b):
+        logp = jax.nn.log_softmax(h @ w.T + b[None, :], axis=-1)
+        return -jnp.take_along_axis(logp, t[:, None], axis=1)[:, 0]
+
+    nll, vjp = jax.vjp(naive, h, w, b)
+    for way in (_vocab_pass, _token_steps):
+        got, lse, *grads = jax.jit(way, static_argnames="chunk")(h, w, b, t, weights, chunk=5)
+        np.testing.assert_allclose(got, nll, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lse, jax.nn.logsumexp(logits, axis=1), rtol=1e-5, atol=1e-5)
+        for g, want in zip(grads, vjp(weights), strict=True):
+            np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_step_trains_the_same_with_the_chunked_loss_fused_and_accumulated():

@@ -89,7 +89,42 @@ def _target_logits(h, w, b, targets):
     return jnp.where(valid, z, jnp.nan)
 
 
-def _losses(h, w, b, targets, steps):
+def _by_platform(vocab_way, token_way, *args):
+    """`token_way(*args)` on a GPU, `vocab_way(*args)` elsewhere, chosen when the step is
+    lowered for its platform (a compile-only GPU target gets the GPU's). Both ways run the
+    same arithmetic in another order; which is faster depends on the platform:
+
+    - by vocabulary chunks (`_lse`, `_recomputed`): a `(tokens, chunk)` block of logits
+      a step, the head's gradient written once per chunk, a fourth matmul (the logits
+      again, once the log-sum-exp is known). On XLA:CPU the loss-and-gradient of the
+      benchmark's head took 0.82x the naive loss's time against 1.04x by token steps (2
+      cores, side by side).
+    - by token steps (`_token_steps`): whole rows of logits for a few tokens a step, the
+      gradients in the same pass (the naive loss's three matmuls), the head's gradient
+      summed into one buffer each step: on a GPU one matmul (cuBLAS's `beta = 1`)."""
+    return jax.lax.platform_dependent(*args, default=vocab_way, cuda=token_way)
+
+
+def _lse(h, w, b, chunk):
+    """Each token's log-sum-exp over the vocabulary, one chunk of logits at a time (a
+    running maximum and sum, rescaled as the maximum grows)."""
+
+    def body(carry, i):
+        top, total = carry
+        _, wc, bc, _, fresh = _chunk_at(w, b, i, chunk)
+        z = jnp.where(fresh[None, :], _logits(h, wc, bc), -jnp.inf)
+        new_top = jnp.maximum(top, jnp.max(z, axis=1))
+        total = total * jnp.exp(top - new_top) + jnp.sum(jnp.exp(z - new_top[:, None]), axis=1)
+        return (new_top, total), None
+
+    init = (jnp.full(h.shape[:1], -jnp.inf), jnp.zeros(h.shape[:1]))
+    (top, total), _ = jax.lax.scan(body, init, jnp.arange(_n_chunks(w.shape[0], chunk)))
+    return top + jnp.log(total)
+
+
+def _token_losses(h, w, b, targets, chunk):
+    steps = _steps(h.shape[0], w.shape[0], chunk)
+
     def body(_, xs):
         return None, _rows(w=w, b=b, h=xs[0], targets=xs[1])[2]
 
@@ -97,15 +132,31 @@ def _losses(h, w, b, targets, steps):
     return _unstrided(nll)
 
 
+def _vocab_losses(h, w, b, targets, chunk):
+    return _lse(h, w, b, chunk) - _target_logits(h, w, b, targets)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _chunked_ce(h, w, b, targets, weights, chunk):
-    return _losses(h, w, b, targets, _steps(h.shape[0], w.shape[0], chunk))
+    ways = (functools.partial(f, chunk=chunk) for f in (_vocab_losses, _token_losses))
+    return _by_platform(*ways, h, w, b, targets)
 
 
 def _chunked_ce_fwd(h, w, b, targets, weights, chunk):
-    """The losses and, in the same pass over the logits, the gradients for a cotangent
-    equal to `weights` (the head's three matmuls, as the naive loss): `d(sum(weights *
-    loss))` for the hidden states (per token), the head's weight and bias."""
+    """The losses and the gradients for a cotangent equal to `weights`: `d(sum(weights *
+    loss))` for the hidden states (per token), the head's weight and bias, float32."""
+    ways = (functools.partial(f, chunk=chunk) for f in (_vocab_pass, _token_steps))
+    nll, lse, dh, dw, db = _by_platform(*ways, h, w, b, targets, weights)
+    return nll, (h, w, b, targets, weights, lse, dh, dw, db)
+
+
+def _vocab_pass(h, w, b, targets, weights, chunk):
+    lse = _lse(h, w, b, chunk)
+    nll = lse - _target_logits(h, w, b, targets)
+    return nll, lse, *_recomputed(h, w, b, targets, lse, weights, chunk)
+
+
+def _token_steps(h, w, b, targets, weights, chunk):
     steps = _steps(h.shape[0], w.shape[0], chunk)
 
     def body(carry, xs):
@@ -116,7 +167,7 @@ def _chunked_ce_fwd(h, w, b, targets, weights, chunk):
         g = (jnp.exp(z - lse[:, None]) - onehot.astype(z.dtype)) * ws[:, None]  # float32
         gc = g.astype(h.dtype)
         dh = jnp.dot(gc, w.astype(h.dtype), preferred_element_type=jnp.float32)
-        dw = _add_head_grad(dw, gc, hs, chunk)
+        dw = dw + jnp.dot(gc.T, hs, preferred_element_type=jnp.float32)  # into dw on a GPU
         db = None if db is None else db + jnp.sum(g, axis=0)
         return (dw, db), (nll, dh, lse)
 
@@ -126,38 +177,7 @@ def _chunked_ce_fwd(h, w, b, targets, weights, chunk):
     )
     xs = (_strided(h, steps), _strided(targets, steps), _strided(weights, steps))
     (dw, db), (nll, dh, lse) = jax.lax.scan(body, init, xs)
-    lse = _unstrided(lse)
-    return _unstrided(nll), (h, w, b, targets, weights, lse, _unstrided(dh), dw, db)
-
-
-def _add_head_grad(dw: Array, g: Array, hs: Array, chunk: int) -> Array:
-    """`dw + g.T @ hs`, never a whole `(vocab, d_model)` product beside `dw`: on a GPU
-    `_head_grad_fused`, elsewhere `_head_grad_looped`, chosen when the step is lowered for
-    its platform (a compile-only GPU target gets the GPU's)."""
-    return jax.lax.platform_dependent(
-        dw, g, hs, default=functools.partial(_head_grad_looped, chunk=chunk),
-        cuda=_head_grad_fused,
-    )  # fmt: skip
-
-
-def _head_grad_fused(dw: Array, g: Array, hs: Array) -> Array:
-    """One matmul, which XLA:GPU writes into `dw` (cuBLAS's `beta = 1`). Measured on an
-    H200: the same temporaries as `_head_grad_looped`, the head's loss-and-gradient 2.3x
-    faster."""
-    return dw + jnp.dot(g.T, hs, preferred_element_type=jnp.float32)
-
-
-def _head_grad_looped(dw: Array, g: Array, hs: Array, chunk: int) -> Array:
-    """One vocabulary chunk of rows at a time, written in place (XLA:CPU would make the
-    whole product a buffer of its own)."""
-
-    def body(i, dw):
-        start, _, _, _, fresh = _chunk_at(dw, None, i, chunk)
-        gc = jax.lax.dynamic_slice_in_dim(g, start, chunk, axis=1)
-        gc = jnp.where(fresh[None, :], gc, jnp.zeros((), gc.dtype))
-        return _add_rows(dw, jnp.dot(gc.T, hs, preferred_element_type=jnp.float32), start)
-
-    return jax.lax.fori_loop(0, _n_chunks(dw.shape[0], chunk), body, dw)
+    return _unstrided(nll), _unstrided(lse), _unstrided(dh), dw, db
 
 
 def _chunked_ce_bwd(chunk, res, g_loss):
@@ -169,15 +189,14 @@ def _chunked_ce_bwd(chunk, res, g_loss):
     scale = jnp.sum(g_loss * weights) / jnp.maximum(jnp.sum(weights * weights), 1e-30)
     proportional = jnp.all(jnp.abs(g_loss - scale * weights) <= 1e-6 * jnp.max(jnp.abs(g_loss)))
 
+    def cast(dh, dw, db):
+        return dh.astype(h.dtype), dw.astype(w.dtype), None if b is None else db.astype(b.dtype)
+
     def scaled(_):
-        return (
-            (scale * dh).astype(h.dtype),
-            (scale * dw).astype(w.dtype),
-            None if b is None else (scale * db).astype(b.dtype),
-        )
+        return cast(scale * dh, scale * dw, None if db is None else scale * db)
 
     def recomputed(_):
-        return _recomputed(h, w, b, targets, lse, g_loss, chunk)
+        return cast(*_recomputed(h, w, b, targets, lse, g_loss, chunk))
 
     dh, dw, db = jax.lax.cond(proportional, scaled, recomputed, None)
     return dh, dw, db, None, None
@@ -186,7 +205,7 @@ def _chunked_ce_bwd(chunk, res, g_loss):
 def _recomputed(h, w, b, targets, lse, g_loss, chunk):
     """Per vocabulary chunk, recomputed logits give `(softmax - onehot) * g` (float32),
     from which the chunk's rows of the head's gradients (written in place into whole-head
-    buffers) and its part of the hidden states' gradient (summed in float32)."""
+    buffers) and its part of the hidden states' gradient (summed): all float32."""
 
     def body(carry, i):
         dh, dw, db = carry
@@ -204,18 +223,17 @@ def _recomputed(h, w, b, targets, lse, g_loss, chunk):
 
     init = (
         jnp.zeros(h.shape, jnp.float32),
-        jnp.zeros(w.shape, w.dtype),
-        None if b is None else jnp.zeros(b.shape, b.dtype),
+        jnp.zeros(w.shape, jnp.float32),
+        None if b is None else jnp.zeros(b.shape, jnp.float32),
     )
     (dh, dw, db), _ = jax.lax.scan(body, init, jnp.arange(_n_chunks(w.shape[0], chunk)))
-    return dh.astype(h.dtype), dw, db
+    return dh, dw, db
 
 
 def _add_rows(total: Array, part: Array, start: Array) -> Array:
     """`total[start:start + len(part)] += part`, in place inside the loop."""
     rows = jax.lax.dynamic_slice_in_dim(total, start, part.shape[0], axis=0)
-    new = (rows.astype(jnp.float32) + part).astype(total.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(total, new, start, axis=0)
+    return jax.lax.dynamic_update_slice_in_dim(total, rows + part, start, axis=0)
 
 
 _chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
@@ -234,20 +252,22 @@ def chunked_cross_entropy(
     `targets`, a few tokens' logits at a time: the whole logits are never held, forward or
     backward.
 
-    Memory: about `tokens * chunk` float32 logits at a time (whole rows of the logits for
-    `tokens * chunk / vocab` tokens a step) instead of two `tokens * vocab` arrays kept from
-    the forward pass to the backward. Smaller chunks hold less, larger ones run fewer,
-    wider matmuls.
+    Memory: about `tokens * chunk` float32 logits at a time instead of two `tokens *
+    vocab` arrays kept from the forward pass to the backward: a `(tokens, chunk)` block of
+    the logits a step, or on a GPU whole rows of the logits for `tokens * chunk / vocab`
+    tokens a step. Smaller chunks hold less, larger ones run fewer, wider matmuls.
 
     Time: differentiated, the forward pass also computes the gradients for a cotangent
-    proportional to `weights` (the head's three matmuls, as the naive loss runs), kept as
-    one float32 head-sized gradient (summed into in place: on a GPU by one matmul a
-    step, elsewhere a vocabulary chunk at a time) and one float32 row per token; the
+    proportional to `weights`, kept as one float32 head-sized gradient and one float32 row
+    per token. Off a GPU it runs over vocabulary chunks: the log-sum-exp, then each chunk's
+    logits again for its rows of the gradients (four matmuls; the chunk's rows of the
+    head's gradient written once). On a GPU it runs over token steps: the naive loss's
+    three matmuls, the head's gradient summed into its buffer by one matmul a step. The
     backward pass scales them when its cotangent is `weights` times one number, which is
     what every weighted mean of the losses gives (the library's steps, `next_token_loss`).
     Any other cotangent is exact too: the backward pass then recomputes the logits one
-    vocabulary chunk of `chunk` at a time (a fourth matmul). Measured side by side by
-    `benchmarks/speed.py --only lm_loss/` (memory: `benchmarks/memory.py --only lm_loss/`).
+    vocabulary chunk of `chunk` at a time. Measured side by side by `benchmarks/speed.py
+    --only lm_loss/` (memory: `benchmarks/memory.py --only lm_loss/`).
 
     The matmuls run in `hidden`'s dtype (16-bit under mixed precision) with float32
     accumulation; the log-sum-exp, the losses and the softmax's gradient are float32. The
