@@ -153,7 +153,7 @@ def _chunked_ce_fwd(h, w, b, targets, weights, chunk):
 def _vocab_pass(h, w, b, targets, weights, chunk):
     lse = _lse(h, w, b, chunk)
     nll = lse - _target_logits(h, w, b, targets)
-    return nll, lse, *_recomputed(h, w, b, targets, lse, weights, chunk)
+    return nll, lse, *_recomputed(h, w, b, targets, lse, weights, chunk, float32=True)
 
 
 def _token_steps(h, w, b, targets, weights, chunk):
@@ -202,10 +202,11 @@ def _chunked_ce_bwd(chunk, res, g_loss):
     return dh, dw, db, None, None
 
 
-def _recomputed(h, w, b, targets, lse, g_loss, chunk):
+def _recomputed(h, w, b, targets, lse, g_loss, chunk, float32=False):
     """Per vocabulary chunk, recomputed logits give `(softmax - onehot) * g` (float32),
     from which the chunk's rows of the head's gradients (written in place into whole-head
-    buffers) and its part of the hidden states' gradient (summed): all float32."""
+    buffers, in the head's dtypes or `float32`) and its part of the hidden states' gradient
+    (summed in float32)."""
 
     def body(carry, i):
         dh, dw, db = carry
@@ -223,8 +224,8 @@ def _recomputed(h, w, b, targets, lse, g_loss, chunk):
 
     init = (
         jnp.zeros(h.shape, jnp.float32),
-        jnp.zeros(w.shape, jnp.float32),
-        None if b is None else jnp.zeros(b.shape, jnp.float32),
+        jnp.zeros(w.shape, jnp.float32 if float32 else w.dtype),
+        None if b is None else jnp.zeros(b.shape, jnp.float32 if float32 else b.dtype),
     )
     (dh, dw, db), _ = jax.lax.scan(body, init, jnp.arange(_n_chunks(w.shape[0], chunk)))
     return dh, dw, db
@@ -233,7 +234,8 @@ def _recomputed(h, w, b, targets, lse, g_loss, chunk):
 def _add_rows(total: Array, part: Array, start: Array) -> Array:
     """`total[start:start + len(part)] += part`, in place inside the loop."""
     rows = jax.lax.dynamic_slice_in_dim(total, start, part.shape[0], axis=0)
-    return jax.lax.dynamic_update_slice_in_dim(total, rows + part, start, axis=0)
+    new = (rows.astype(jnp.float32) + part).astype(total.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(total, new, start, axis=0)
 
 
 _chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
