@@ -5,8 +5,10 @@ norm, figures compiled on the way).
 """
 
 import math
+import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import equinox as eqx
@@ -353,6 +355,7 @@ def stream(name: str, spec: dict, sizes: dict):
             holder[0], _ = step(holder[0], batch)
         _ready(holder[0])
 
+    weakref.finalize(update, shutil.rmtree, tmp, ignore_errors=True)  # its files: with it
     update()  # compiles
     return update, {"per_call": n // b, "samples": n, "order": spec.get("trainer", spec["source"])}
 

@@ -21,19 +21,21 @@ gpu = load_benchmark("speed")
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("speed") / "speed.json"
+    scratch = tmp_path_factory.mktemp("tmpdir")  # the run's temporary files, and workers'
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=900,
+        env={**os.environ, "TMPDIR": str(scratch)},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text()), out, proc.stdout
+    return json.loads(out.read_text()), out, proc.stdout, scratch
 
 
 @pytest.mark.slow  # the whole script's smoke run
 def test_smoke_runs_every_configuration(smoke):
-    record, _, _ = smoke
+    record, *_ = smoke
     configs = record["configs"]
     assert list(configs) == list(gpu.CONFIGS)
     for name, result in configs.items():
@@ -46,7 +48,7 @@ def test_smoke_runs_every_configuration(smoke):
 
 @pytest.mark.slow  # the whole script's smoke run
 def test_smoke_records_null_peaks_on_cpu_and_the_environment(smoke):
-    record, _, _ = smoke
+    record, *_ = smoke
     assert record["mode"] == "smoke"
     env = record["environment"]
     assert env["backend"] == "cpu" and env["date"]
@@ -64,7 +66,7 @@ def test_smoke_records_null_peaks_on_cpu_and_the_environment(smoke):
 
 @pytest.mark.slow  # the whole script's smoke run
 def test_smoke_evaluates_goals_and_checks(smoke):
-    record, _, stdout = smoke
+    record, _, stdout, _ = smoke
     goals = record["goals"]
     assert set(goals) == set(gpu.GOALS) | {"report_within_5_percent"}
     for name in ("full_remat_peak", "selective_remat_peak", "report_within_5_percent"):
@@ -90,11 +92,14 @@ def test_smoke_evaluates_goals_and_checks(smoke):
 
 @pytest.mark.slow  # the whole script's smoke run
 def test_smoke_runs_configurations_in_a_worker_process(smoke):
-    record, out, _ = smoke
+    record, out, _, scratch = smoke
     pids = {r["pid"] for r in record["configs"].values()}
     assert len(pids) == 1 and pids != {os.getpid()}
     # Written atomically: no temporary left beside the JSON.
     assert [p.name for p in out.parent.iterdir()] == [out.name]
+    # Nor anywhere else: the stream rows' memory-mapped files, the workers' results and the
+    # compilation cache go with the run.
+    assert sorted(p.name for p in scratch.iterdir()) == []
 
 
 def test_refuses_the_gpu_run_without_a_gpu(tmp_path):
