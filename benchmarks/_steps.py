@@ -408,10 +408,11 @@ def optimizer_state(name: str, spec: dict, sizes: dict):
 
 
 def step(name: str, spec: dict, sizes: dict):
-    """A `step_cases` case (Adam): the hand step, or the library's, which first
-    compares its parameters with the hand step's after each of 3 updates (the first exact,
-    the same gradient; later ones differ where rounding does, which Adam's division of a
-    near-zero gradient by its own size turns into steps)."""
+    """A `step_cases` case (Adam): the hand step, or the library's, which must first leave
+    the parameters where the hand step's first update does (within 1e-4 of the largest,
+    the float32 bound for a model; the same gradient, so exact on a CPU). Later updates
+    differ where rounding does, which Adam's division of a near-zero gradient by its own
+    size turns into steps, so only the first is compared."""
     model, loss, batch = step_cases(sizes["step_scale"])[spec["case"]]
     optimizer = optax.adam(1e-3)
     run, box = hand_loop(model, loss, optimizer)
@@ -420,17 +421,16 @@ def step(name: str, spec: dict, sizes: dict):
         loss_value = float(hand_update())
         return _repeated(hand_update, {"loss": loss_value})
     library = el.train.make_step(loss, optimizer)
-    state, diffs = library.init(model, key=jr.PRNGKey(2)), []
-    for _ in range(3):
-        state, _ = library(state, batch)
-        hand_update()
-        pairs = zip(jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array)),
-                    jax.tree.leaves(box[0]), strict=True)  # fmt: skip
-        diffs.append(max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-12))
-                         for a, b in pairs))  # fmt: skip
+    state, _ = library(library.init(model, key=jr.PRNGKey(2)), batch)
+    hand_update()
+    pairs = zip(jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array)),
+                jax.tree.leaves(box[0]), strict=True)  # fmt: skip
+    diff = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in pairs)
+    if not diff <= 1e-4:
+        raise AssertionError(f"{name}: parameters after one update differ from the hand "
+                             f"step's by {diff:.2e} of the largest (bound 1e-4)")  # fmt: skip
     update, info = _step_runner(library, state, batch)
-    return _repeated(update, {**info, "max_relative_param_diff_after_1": diffs[0],
-                              "max_relative_param_diff_after_3": diffs[-1]})  # fmt: skip
+    return _repeated(update, {**info, "max_relative_param_diff_after_1": diff})
 
 
 def _repeated(update, info: dict, seconds: float = 0.1):
