@@ -165,6 +165,34 @@ def lm_mean_loss(model, tokens, chunk):
     return jnp.sum(values * weights) / jnp.sum(weights)
 
 
+class PlainEncoder(eqx.Module):
+    """Plain Equinox, the framework compared against: the encoder's stacked blocks in a
+    `lax.scan` written here, its body in `eqx.filter_checkpoint` or not (`plain_encoder`)."""
+
+    blocks: eqx.Module
+    checkpoint: bool = eqx.field(static=True)
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def body(h, p):
+            return eqx.combine(p, static)(h), None
+
+        body = eqx.filter_checkpoint(body) if self.checkpoint else body
+        return jax.lax.scan(body, x, params)[0]
+
+
+def plain_encoder(cfg: dict, checkpoint: bool) -> PlainEncoder:
+    """The encoder at `cfg`'s size as plain Equinox runs it (no remat, no chunking): with
+    `plain_mse`, what `hand_step` trains in the guide's plain rows."""
+    return PlainEncoder(encoder(cfg, jr.split(jr.PRNGKey(0), 3)[0], chunk_size=None).blocks,
+                        checkpoint)  # fmt: skip
+
+
+def plain_mse(model, x, y):
+    return jnp.mean(jnp.square(jax.vmap(model)(x) - y), axis=(1, 2))
+
+
 def hand_step(model, loss, optimizer):
     """The step a user writes by hand: the mean loss (weighted, where the loss returns
     weights), its gradient, the optimizer's update; params and optimizer state donated.

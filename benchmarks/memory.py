@@ -69,7 +69,6 @@ from _common import (  # noqa: E402
     RESULTS,
     compiled_memory,
     encoder,
-    plain_step,
     run_workers,
     worker_main,
     write_json,
@@ -87,6 +86,8 @@ from _steps import (  # noqa: E402
     char_loss,
     hand_step,
     lm_mean_loss,
+    plain_encoder,
+    plain_mse,
     sparse_mlp,
     step_cases,
     wide_resnet,
@@ -169,11 +170,11 @@ def _shapes(cfg: dict) -> tuple:
 def guide_row(cfg: dict, opts: dict) -> dict:
     """The compiled memory of the guide's step (`make_step`, or plain Equinox's)."""
 
-    if "plain" in opts:
-        model, opt_state, jitted = plain_step(cfg, opts["plain"])
-        batch = tuple(jnp.zeros(x.shape, x.dtype) for x in _shapes(cfg))  # eqx.filter_jit: arrays
-        compiled = jitted.lower(batch, model, opt_state).compile()
-        return compiled_memory(getattr(compiled, "compiled", compiled))
+    if "plain" in opts:  # the hand step (SGD) on plain Equinox's encoder
+        model, optimizer = plain_encoder(cfg, opts["plain"]), optax.sgd(0.01)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        hand = hand_step(model, plain_mse, optimizer)
+        return compiled_memory(hand.lower(params, optimizer.init(params), _shapes(cfg)).compile())
     structure = {"segment": opts.get("segment"), "scan": opts.get("scan", True)}
     model = eqx.filter_eval_shape(encoder, cfg, jr.PRNGKey(0), opts.get("remat", "none"),
                                   **structure)  # fmt: skip
