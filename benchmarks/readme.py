@@ -86,6 +86,12 @@ def goals(rows: list[tuple], head: str = "goal") -> str:
     return table([head, "reached", "bound", ""], cells, 1)
 
 
+def bound(g: dict) -> str:
+    """A speed goal's bound (`">= 0.97"`) in words."""
+    sense, value = g["goal"].split()
+    return f"{'at least' if sense == '>=' else 'at most'} {value}x"
+
+
 def part(*blocks: str) -> str:
     return "\n\n".join(blocks)
 
@@ -322,8 +328,48 @@ def data() -> str:
              f"at least {d['goals']['shuffled_vs_grain']}x", d["goals_met"]["shuffled_vs_grain"]),
             ("a step fed by `prefetch()` against batches already on the device (updates per "
              "second; on the CPU the reading thread and the step share the 2 cores)",
-             x(prefetch["ratio"]), f"at least {prefetch['goal'][3:]}x on a GPU",
+             x(prefetch["ratio"]), f"{bound(prefetch)} on a GPU",
              prefetch["met"] if p["mode"] == "gpu" else None),
+        ]),
+    )  # fmt: skip
+
+
+# The `step/*` models (`_steps.step_cases`), each with the step a user writes by hand.
+_HAND_CASES = {"mlp": "MLP 784-512-512-10, batch 256",
+               "lm": "`CausalLM`, 4 layers of width 128, 8 x 64 tokens",
+               "wrn": "WRN-10-2 (GroupNorm), batch 16",
+               "encoder64": "64-block encoder (`remat=True`), width 64, 4 x 16"}  # fmt: skip
+
+
+def hand_written() -> str:
+    """The library against what a user writes by hand: each step's time (side by side) and
+    compiled peak, `Trainer.fit` against a hand loop, `plan` against one compile."""
+    s, p, g = result("speed_steps")["goals"], result("speed_plan"), grid()
+    rows = {label: {"time": s[f"step_{c}_time"]["ratio"],
+                    "peak": g[f"step/{c}"]["library"]["peak"] / g[f"step/{c}"]["hand"]["peak"]}
+            for c, label in _HAND_CASES.items()}  # fmt: skip
+    times, peaks = [r["time"] for r in rows.values()], [r["peak"] for r in rows.values()]
+    fit, plan = s["fit_vs_hand_loop"], p["goals"]["plan_vs_one_compile"]
+    prefetching = s["fit_vs_prefetching_hand_loop"]
+    compiled = {n: p["configs"][f"plan/{n}"]["compiled"] for n in ("pruned", "every")}
+    same = "the same choice as" if p["checks"]["plan"]["ok"] else "**not the choice of**"
+    return part(
+        sources("speed_steps", "speed_plan", "memory_grid",
+                by="benchmarks/speed.py --only step_ fit/ plan/, memory.py",
+                note="times against the hand-written way side by side, peaks compiled"),
+        spec_table("against a hand-written step (Adam)",
+                   {"updates per second": "{time:.3f}x", "compiled peak": "{peak:.4f}x"}, rows),
+        goals([
+            ("every step's updates per second", x(min(times), 3), bound(s["step_mlp_time"]),
+             all(s[f"step_{c}_time"]["met"] for c in _HAND_CASES)),
+            ("every step's compiled peak", x(max(peaks), 4), "at most 1.01x", max(peaks) <= 1.01),
+            ("`Trainer.fit` against a hand loop (the MLP, an epoch of 40 updates a call, "
+             "its data check included)", x(fit["ratio"], 3), bound(fit), fit["met"]),
+            ("`Trainer.fit` against a hand loop fed by `DataStream.prefetch()`",
+             x(prefetching["ratio"], 3), bound(prefetching), prefetching["met"]),
+            ("`plan` (its default candidates) against one compile of the step (4-block "
+             f"encoder; candidates compiled: {compiled['pruned']} of {compiled['every']}, "
+             f"{same} compiling all)", x(plan["ratio"]), bound(plan), plan["met"]),
         ]),
     )  # fmt: skip
 
@@ -459,7 +505,7 @@ def frontier() -> str:
 # A section's marker is its function's name, with hyphens.
 SECTIONS: dict[str, Callable[[], str]] = {f.__name__.replace("_", "-"): f for f in (
     main_job, short_example_time, checkpoint, shard, sparse, sparse_quality,
-    guide, remat, accumulate, precision, data, paper, quality, frontier,
+    guide, remat, accumulate, precision, data, hand_written, paper, quality, frontier,
 )}  # fmt: skip
 
 
