@@ -5,7 +5,7 @@ and both moments) and a small one (the tests' MLP), each saved 5 times by `save_
 (the synchronous single file), by `OrbaxCheckpoints` synchronously and asynchronously; the
 stall is the time the save call holds the caller (for an asynchronous save: fingerprints,
 the copy to host, orbax's set-up); the write's whole time is measured too (until `wait()`
-returns). Medians. Restores are timed as well.
+returns). Medians.
 
 That a run killed at any moment resumes bit-identically is the tests' to show
 (`tests/test_interrupt.py`, `tests/test_orbax.py`: SIGKILL at every phase of an update and
@@ -27,13 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import write_json  # noqa: E402
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+from _common import interleaved, write_json  # noqa: E402
 
 
 def measure_stall(width: int, depth: int, repeats: int = 5) -> dict:
@@ -44,7 +38,7 @@ def measure_stall(width: int, depth: int, repeats: int = 5) -> dict:
     import optax
 
     import eqx_lowmem as el
-    from eqx_lowmem.train import OrbaxCheckpoints, load_checkpoint, save_checkpoint
+    from eqx_lowmem.train import OrbaxCheckpoints, save_checkpoint
 
     model = eqx.nn.MLP(width, width, width, depth, key=jr.PRNGKey(0))
     state = el.train.make_step(el.train.mse, optax.adam(1e-3)).init(model, key=jr.PRNGKey(1))
@@ -54,12 +48,10 @@ def measure_stall(width: int, depth: int, repeats: int = 5) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "checkpoint.ckpt"
         save_checkpoint(path, state, meta)  # warm: compile nothing, fill the page cache
-        saves = [_timed(lambda: save_checkpoint(path, state, meta)) for _ in range(repeats)]
-        out["file_save_s"] = statistics.median(saves)
-        out["file_load_s"] = _timed(lambda: jax.block_until_ready(load_checkpoint(path, state)))
-        for kind in ("orbax_sync", "orbax_async"):
+        saves = interleaved({"file": lambda: save_checkpoint(path, state, meta)}, repeats)
+        out["file_save_s"] = statistics.median(saves["file"])
+        for kind, asynchronous in (("orbax_sync", False), ("orbax_async", True)):
             stalls, totals = [], []
-            asynchronous = kind == "orbax_async"
             with OrbaxCheckpoints(Path(tmp) / kind, keep=2, asynchronous=asynchronous) as ck:
                 ck.save(0, state, meta)  # warm: the fingerprints' compilation, threads
                 ck.wait()
@@ -71,8 +63,6 @@ def measure_stall(width: int, depth: int, repeats: int = 5) -> dict:
                     totals.append(time.perf_counter() - t0)
                 out[f"{kind}_stall_s"] = statistics.median(stalls)
                 out[f"{kind}_write_s"] = statistics.median(totals)
-                if asynchronous:
-                    out["orbax_load_s"] = _timed(lambda: jax.block_until_ready(ck.restore(state)))
     out["async_stall_vs_file_save"] = out["orbax_async_stall_s"] / out["file_save_s"]
     out = {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
     print(f"MLP {width}x{depth}", json.dumps(out), flush=True)
