@@ -113,12 +113,6 @@ def _images(split: str, n: int | None = None) -> tuple[Any, Any]:
     return x[:, None], labels[:n].astype(np.int32)  # (n, 1, 28, 28)
 
 
-def load_data(cfg: dict) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
-    """`((x_train, y_train), (x_test, y_test))`: the first `cfg["train"]` training and
-    `cfg["test"]` test images."""
-    return _images("train", cfg["train"]), _images("test", cfg["test"])
-
-
 def total_steps(cfg: dict) -> int:
     return (cfg["train"] // cfg["batch"]) * cfg["epochs"]
 
@@ -234,8 +228,8 @@ def _train_spec(spec: dict) -> dict:
         jax.config.update("jax_compilation_cache_dir", spec["cache"])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    data, out = load_data(cfg), {}
-    step = make_config_step(cfg, opts)
+    data = (_images("train", cfg["train"]), _images("test", cfg["test"]))
+    step, out = make_config_step(cfg, opts), {}
     if spec["memory"]:
         state, t0 = init_state(cfg["seeds"][0], cfg, step, opts), time.perf_counter()
         (x, y), _ = data
@@ -268,18 +262,15 @@ def run_rows(cfg: dict, rows: dict, workers=None, *, per_seed=False, memory=Fals
     return merged, workers
 
 
-def run_quality(cfg: dict, precision=None, workers=None) -> dict:
+def run_quality(cfg: dict, workers=None) -> dict:
     """The comparison at `cfg`: each configuration and seed a job of its own."""
-    configs = {**QUALITY_CONFIGS}
-    if precision is not None:
-        configs["combined"] = {**configs["combined"], "precision": precision}
     t0 = time.perf_counter()
-    out, workers = run_rows(cfg, configs, workers, per_seed=True)
+    out, workers = run_rows(cfg, QUALITY_CONFIGS, workers, per_seed=True)
     runs = {n: {str(s): out[n]["runs"][str(s)] for s in cfg["seeds"]} for n in out}
     final = {n: statistics.mean(r["test_accuracy"][-1] for r in runs[n].values()) for n in runs}
     gap = 100 * (final["baseline_fp32"] - final["combined"])
-    return {"config": cfg, "configs": configs, "workers": workers,
-            "combined_precision": configs["combined"]["precision"],
+    return {"config": cfg, "configs": QUALITY_CONFIGS, "workers": workers,
+            "combined_precision": QUALITY_CONFIGS["combined"]["precision"],
             "dsr": {"period": dsr_period(total_steps(cfg)), "total_steps": total_steps(cfg)},
             "runs": runs, "final_mean_accuracy": final, "gap_points": gap,
             "within_half_a_point": bool(gap <= 0.5),
@@ -413,7 +404,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frontier", action="store_true", help="accuracy against memory")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and plot")
     p.add_argument("--name", help="file name of the JSON and plot (default: the run's)")
-    p.add_argument("--precision", help="the combination's precision (default mixed_fp16)")
     for field in ("depth", "width", "train", "test", "epochs", "batch"):
         p.add_argument(f"--{field}", type=int, help=f"override the configuration's {field}")
     p.add_argument("--seeds", type=int, nargs="+", help="override the configuration's seeds")
@@ -430,15 +420,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--lr must be positive, got {args.lr}")
     cfg = dict((FRONTIER_QUICK if args.quick else FRONTIER) if args.frontier
                else (QUALITY_QUICK if args.quick else QUALITY))  # fmt: skip
-    for field in ("depth", "width", "train", "test", "epochs", "batch", "seeds", "lr"):
-        if getattr(args, field) is not None:
-            cfg[field] = getattr(args, field)
+    cfg |= {k: getattr(args, k) for k in QUALITY if getattr(args, k) is not None}  # overrides
     if args.frontier:
         names = args.configs or (QUICK_CONFIGS if args.quick else list(CONFIGS))
         result, name = run_frontier(cfg, names, args.workers), "frontier"
         print("\n".join(result["budget_table"]))
     else:
-        result, name = run_quality(cfg, args.precision, args.workers), "paper_quality"
+        result, name = run_quality(cfg, args.workers), "paper_quality"
         print(json.dumps(result["final_mean_accuracy"]), f"gap {result['gap_points']:.2f} points")
     result["wall_seconds"] = time.perf_counter() - _START  # imports and data included
     name = (args.name or name) + ("_quick" if args.quick else "")
