@@ -39,21 +39,25 @@ def readme_block(marker: str) -> str:
     return after[start : after.index("```", start)]
 
 
-def timed_run(args: list[str], cwd: Path, timeout: float) -> dict:
-    """Run `python *args` in `cwd`; its stdout, wall seconds, CPU seconds and load."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
-    wall = time.perf_counter() - t0
+def timed_run(args: list[str], timeout: float, files: dict[str, str] | None = None) -> tuple:
+    """Run `python *args` in a fresh directory holding `files` (name: text): its stdout, and
+    its wall seconds, CPU seconds and load average before and after."""
+    with tempfile.TemporaryDirectory(prefix="example_") as tmp:
+        for name, text in (files or {}).items():
+            (Path(tmp) / name).write_text(text)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        load_before = os.getloadavg()
+        t0 = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, *args], cwd=tmp, capture_output=True, text=True, timeout=timeout
+        )
+        wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise RuntimeError(f"{args} failed with exit code {done.returncode}:\n{done.stderr}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {
-        "stdout": done.stdout,
+    print(f"{args[0]}: {wall:.0f} s wall, {cpu:.0f} s CPU", flush=True)
+    return done.stdout, {
         "wall_s": wall,
         "cpu_s": cpu,
         "load_before": load_before,
@@ -69,9 +73,7 @@ def _number(pattern: str, text: str) -> float:
 
 
 def main_job(timeout: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="main_job_") as tmp:
-        run = timed_run([str(MAIN_JOB), "--run-dir", tmp, "--no-progress"], Path(tmp), timeout)
-    out = run.pop("stdout")
+    out, run = timed_run([str(MAIN_JOB), "--run-dir", ".", "--no-progress"], timeout)
     return {
         "command": "python examples/train_char_lm.py (defaults, a fresh --run-dir)",
         "updates": int(_number(r"trained (\d+) update\(s\)", out)),
@@ -84,10 +86,7 @@ def main_job(timeout: float) -> dict:
 
 
 def short_example(timeout: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="short_example_") as tmp:
-        (Path(tmp) / "example.py").write_text(readme_block("short-example"))
-        run = timed_run(["example.py"], Path(tmp), timeout)
-    out = run.pop("stdout")
+    out, run = timed_run(["example.py"], timeout, {"example.py": readme_block("short-example")})
     last = out.strip().splitlines()[-1]
     if not last.startswith("train loss per epoch: ["):
         raise RuntimeError(f"the short example printed no losses:\n{out[-3000:]}")
@@ -104,9 +103,6 @@ def main() -> None:
         "short_example": short_example(args.timeout),
         "main_job": main_job(args.timeout),
     }
-    for name in ("short_example", "main_job"):
-        r = results[name]
-        print(f"{name}: {r['wall_s']:.0f} s wall, {r['cpu_s']:.0f} s CPU", flush=True)
     m = results["main_job"]
     print(f"main job: {m['updates']} updates, eval loss {m['final_eval_loss']:.3f}")
     print(f"wrote {write_json('examples', results)}")
