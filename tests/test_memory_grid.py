@@ -15,17 +15,20 @@ from .helpers import load_benchmark, users_env
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "memory.py"
 COMMITTED = ROOT / "benchmarks" / "results" / "memory_grid.json"
-# The rows compiled again by the slow suite (about a minute on 2 cores): the README's remat
-# figures, a precision and an accumulation row, the shards, sparse storage against dense and
-# the paper's cheapest combination (on XLA:CPU and for an H100). `python benchmarks/memory.py`
-# compiles all.
-CHECKED = ("guide/none", "guide/full", "guide/minimal", "precision/mixed_bf16",
-           "accumulate/k4", "shard/", "sparse/dense", "sparse/ours",
-           "paper/fp16_checkpoint_micro100_sparse30")  # fmt: skip
+# The rows compiled again by the slow suite (about 6 minutes on 2 cores): every row except
+# the paper's and the frontier's, each a WideResNet compiled for XLA:CPU and an H100 (about
+# a minute apiece: all 89 rows take about 29 minutes), and of those the paper's cheapest
+# WRN combination, its transformer combination (the chunked LM loss) and the frontier's
+# GroupNorm + WS combination. `python benchmarks/memory.py` compiles all.
+REPRESENTATIVES = ("paper/fp16_checkpoint_micro100_sparse30",
+                   "paper/transformer_fp16_checkpoint_micro250",
+                   "frontier/combined_micro1_gnws")  # fmt: skip
 # The H100 target compiles with JAX's CUDA plugin (the test extra installs it).
 HAS_GPU_TARGET = importlib.util.find_spec("jax_cuda12_plugin") is not None
 
 memory = load_benchmark("memory")
+CHECKED = (*(n for n in memory.rows(smoke=False) if not n.startswith(("paper/", "frontier/"))),
+           *REPRESENTATIVES)  # fmt: skip
 
 
 def test_a_smoke_row_measures_what_remat_saves():
@@ -41,12 +44,13 @@ def test_every_row_is_committed_and_named_once():
     assert set(names) | {f"shard/{n}" for n in (2, 4, 8)} == set(rows)
 
 
-@pytest.mark.slow  # compiles the guide's transformer and a WRN-28-2 again
+@pytest.mark.slow  # compiles most rows again (CHECKED)
 def test_the_committed_figures_are_what_the_code_compiles(tmp_path):
-    checked = CHECKED if HAS_GPU_TARGET else tuple(c for c in CHECKED if "paper/" not in c)
+    for_h100 = ("lm_loss/", "optimizer_state/", "paper/", "frontier/")  # rows with H100 figures
+    checked = CHECKED if HAS_GPU_TARGET else tuple(c for c in CHECKED if not c.startswith(for_h100))
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--only", *checked, "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=900, env=users_env(),
+        capture_output=True, text=True, timeout=2400, env=users_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     fresh = json.loads((tmp_path / "memory_grid.json").read_text())["rows"]
