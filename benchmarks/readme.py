@@ -480,26 +480,33 @@ def quality() -> str:
 
 def frontier() -> str:
     """Accuracy against compiled peak: every row, the budget table, the longer run and the
-    normalisations at one image per micro-batch."""
-    d = result("frontier")
-    front = set(d["pareto_front"])
-    rows = [[f"`{r['config']}`", r["uses"], f"{r['compiled_peak_bytes'] / MB:.1f}",
-             f"{grid()['frontier/' + r['config']]['h100'] / MB:.1f}",
-             f"{100 * r['test_accuracy']:.2f}%", f"{100 * r['test_accuracy_spread']:.2f}",
-             "" if r["step_s"] is None else f"{r['step_s']:.2f}",
-             "yes" if r["config"] in front else ""]
-            for r in sorted(d["rows"], key=lambda r: r["compiled_peak_bytes"])]  # fmt: skip
+    normalisations at one image per micro-batch. The peaks are the memory grid's (the code
+    as it compiles now, which the slow tests check), so the front, the budgets and the goal
+    are worked out again here from them and the run's accuracies."""
+    import quality
+
+    rows = [{**r, "compiled_peak_bytes": grid()["frontier/" + r["config"]]["peak"]}
+            for r in result("frontier")["rows"]]  # fmt: skip
+    fresh = {"rows": rows, "pareto_front": quality.pareto_front(rows)}
+    cells = [[f"`{r['config']}`", r["uses"], f"{r['compiled_peak_bytes'] / MB:.1f}",
+              f"{grid()['frontier/' + r['config']]['h100'] / MB:.1f}",
+              f"{100 * r['test_accuracy']:.2f}%", f"{100 * r['test_accuracy_spread']:.2f}",
+              "" if r["step_s"] is None else f"{r['step_s']:.2f}",
+              "yes" if r["config"] in fresh["pareto_front"] else ""]
+             for r in sorted(rows, key=lambda r: r["compiled_peak_bytes"])]  # fmt: skip
     more = [[f"`{r['config']}` ({cite(n)}, {r['trained']['updates']} updates)", r["uses"],
              f"{100 * r['test_accuracy']:.2f}%", f"{100 * r['test_accuracy_spread']:.2f}"]
             for n in ("frontier_long", "frontier_norm", "frontier_norm_sparse")
             for r in result(n)["rows"]]  # fmt: skip
-    beaten = [g["combination"] for g in d["goal"] if g["dense_better_by_more_than_spread"]]
+    beaten = [c for c in quality.COMBINATIONS
+              if quality.goal(rows, c)["dense_better_by_more_than_spread"]]  # fmt: skip
     head = ["configuration", "uses", "compiled MB", "H100 MB", "test accuracy",
             "spread (2 seeds)", "s / update", "front"]  # fmt: skip
     return part(
-        sources("frontier", "memory_grid", by="benchmarks/quality.py --frontier, memory.py"),
-        table(head, rows, 2),
-        "\n".join(d["budget_table"]),
+        sources("frontier", "memory_grid", by="benchmarks/quality.py --frontier, memory.py",
+                note="accuracies and times the training run's, peaks the memory grid's"),
+        table(head, cells, 2),
+        "\n".join(quality.budget_table(fresh)),
         goals([("combinations beaten by a dense configuration in their memory, by more than "
                 "the seeds' spread", ", ".join(beaten) or "none", "none", not beaten)]),
         table(["configuration", "uses", "test accuracy", "spread (2 seeds)"], more, 2),
