@@ -7,12 +7,16 @@ and changes that would cancel in a plain sum change it. The metadata's checksum 
 SHA-256 of its canonical JSON.
 """
 
+import functools
 import hashlib
 import json
+import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 def _words(a: np.ndarray) -> np.ndarray:
@@ -85,9 +89,71 @@ def _part_hash(part: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...
     return int(total)
 
 
+def _device_words(a: jax.Array) -> jax.Array:
+    """`_part_hash`'s words of `a` as uint64, shaped `a.shape + (words per element,)`."""
+    size = a.dtype.itemsize
+    if a.dtype == jnp.bool_:
+        return a.astype(jnp.uint64)[..., None]
+    if jnp.issubdtype(a.dtype, jnp.complexfloating):
+        half = {4: jnp.uint32, 8: jnp.uint64}[size // 2]
+        re, im = (lax.bitcast_convert_type(p, half).astype(jnp.uint64) for p in (a.real, a.imag))
+        if size == 8:  # complex64: one 64-bit word, the real part's bits low
+            return (re | (im << jnp.uint64(32)))[..., None]
+        return jnp.stack([re, im], axis=-1)  # complex128: two words
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[size]
+    return lax.bitcast_convert_type(a, unsigned).astype(jnp.uint64)[..., None]
+
+
+def _device_mix(z: jax.Array) -> jax.Array:
+    z = (z ^ (z >> jnp.uint64(30))) * jnp.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> jnp.uint64(27))) * jnp.uint64(0x94D049BB133111EB)
+    return z ^ (z >> jnp.uint64(31))
+
+
+@functools.partial(jax.jit, static_argnames="shape")
+def _device_part_hash(part: jax.Array, starts: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """`_part_hash` of a part on its device (run with 64-bit types on): `starts` (uint64)
+    where it sits in the whole array of `shape`. XLA:GPU fuses it into one reduction that
+    reads the part in place (XLA:CPU would hold its words as uint64, whole: there the
+    host's NumPy reads the part instead, in chunks)."""
+    words = _device_words(part)
+    position = lax.broadcasted_iota(jnp.uint64, words.shape, words.ndim - 1)
+    for axis in range(len(shape)):
+        at = lax.broadcasted_iota(jnp.uint64, words.shape, axis) + starts[axis]
+        position = position + at * jnp.uint64(math.prod(shape[axis + 1 :]) * words.shape[-1])
+    return jnp.sum(_device_mix((position * _GOLDEN) ^ words), dtype=jnp.uint64)
+
+
+def _whole_bytes(dtype: Any) -> bool:
+    """Whether each element fills its bytes (not int4 or float4, which NumPy stores a byte
+    each and JAX cannot view as a byte): those the device hashes."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.finfo(dtype).bits == 8 * dtype.itemsize
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits == 8 * dtype.itemsize
+    return True  # bool, complex
+
+
 def _local_hash(x: Any) -> int:
+    """The sum of `_part_hash` over the parts of `x` this process holds, mod 2**64: for a
+    JAX array's parts on an accelerator, on the device that holds each (nothing copied to
+    the host but the sum), else on the host."""
     shape = tuple(x.shape)
-    return sum(_part_hash(part, index, shape) for part, index in _parts(x)) % 2**64
+    if not isinstance(x, jax.Array):
+        return sum(_part_hash(part, index, shape) for part, index in _parts(x)) % 2**64
+    total, sums = 0, []
+    with jax.enable_x64(True):
+        for s in x.addressable_shards:
+            if s.replica_id != 0:
+                continue
+            if s.device.platform == "cpu" or not _whole_bytes(x.dtype) or s.data.size == 0:
+                total += _part_hash(np.asarray(s.data), s.index, shape)
+                continue
+            starts = [sl.indices(n)[0] for sl, n in zip(s.index, shape, strict=True)]
+            starts = jax.device_put(np.asarray(starts, np.uint64), s.device)
+            sums.append(_device_part_hash(s.data, starts, shape))
+        return (total + sum(int(v) for v in sums)) % 2**64
 
 
 def hashes(stored: Any) -> list[str]:
@@ -96,7 +162,8 @@ def hashes(stored: Any) -> list[str]:
     mesh and process count gives the same one (the processes' sums are added); the
     position makes it see swapped or moved elements, and the mix changes that cancel out
     (each changed element changes the hash but for a chance of 2**-64). One pass over the
-    bytes on the host (numpy), in chunks of `_CHUNK` elements."""
+    bytes: on an accelerator where each part lives (only its sum comes to the host),
+    else on the host (NumPy, in chunks of `_CHUNK` elements)."""
     sums = [_local_hash(x) for x in jax.tree.leaves(stored)]
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils

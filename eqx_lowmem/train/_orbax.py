@@ -259,8 +259,9 @@ class OrbaxCheckpoints:
         before is replaced (deleted first).
 
         Memory: the state's arrays once more in host memory until written. Time on the
-        caller: the fingerprints (one pass over the arrays on their devices), the copy to
-        host, and orbax's directory set-up.
+        caller: the leaves' hashes (one pass over the arrays: on a GPU where they live, on
+        a CPU by NumPy, most of a CPU's stall), the copy to host, and orbax's directory
+        set-up.
         """
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}.")
