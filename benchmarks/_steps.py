@@ -183,14 +183,10 @@ class PlainEncoder(eqx.Module):
 
 
 def plain_encoder(cfg: dict, checkpoint: bool) -> PlainEncoder:
-    """The encoder at `cfg`'s size as plain Equinox runs it (no remat, no chunking): with
-    `plain_mse`, what `hand_step` trains in the guide's plain rows."""
+    """The encoder at `cfg`'s size as plain Equinox runs it (no remat, no chunking): what
+    `hand_step` trains in the guide's plain rows."""
     return PlainEncoder(encoder(cfg, jr.split(jr.PRNGKey(0), 3)[0], chunk_size=None).blocks,
                         checkpoint)  # fmt: skip
-
-
-def plain_mse(model, x, y):
-    return jnp.mean(jnp.square(jax.vmap(model)(x) - y), axis=(1, 2))
 
 
 def hand_step(model, loss, optimizer):

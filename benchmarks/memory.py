@@ -87,7 +87,6 @@ from _steps import (  # noqa: E402
     hand_step,
     lm_mean_loss,
     plain_encoder,
-    plain_mse,
     sparse_mlp,
     step_cases,
     wide_resnet,
@@ -173,7 +172,7 @@ def guide_row(cfg: dict, opts: dict) -> dict:
     if "plain" in opts:  # the hand step (SGD) on plain Equinox's encoder
         model, optimizer = plain_encoder(cfg, opts["plain"]), optax.sgd(0.01)
         params = eqx.filter(model, eqx.is_inexact_array)
-        hand = hand_step(model, plain_mse, optimizer)
+        hand = hand_step(model, el.train.mse, optimizer)
         return compiled_memory(hand.lower(params, optimizer.init(params), _shapes(cfg)).compile())
     structure = {"segment": opts.get("segment"), "scan": opts.get("scan", True)}
     model = eqx.filter_eval_shape(encoder, cfg, jr.PRNGKey(0), opts.get("remat", "none"),
