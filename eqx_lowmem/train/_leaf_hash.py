@@ -59,6 +59,11 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def _starts(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[int]:
+    """Where a part at `index` (a shard's) begins in the whole array of `shape`, per axis."""
+    return [sl.indices(n)[0] for sl, n in zip(index, shape, strict=True)]
+
+
 def _part_hash(part: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...]) -> int:
     """Sum mod 2**64 over the part's elements of `mix(position * golden ^ bits)`: each
     element's position in the whole (C-order) array, its bits as uint64 (complex128: two
@@ -67,7 +72,7 @@ def _part_hash(part: np.ndarray, index: tuple[slice, ...], shape: tuple[int, ...
     words = 2 if a.dtype.itemsize == 16 else 1
     unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.uint64}
     bits = a.reshape(-1).view(unsigned[a.dtype.itemsize])
-    starts = [sl.indices(n)[0] for sl, n in zip(index, shape, strict=True)]
+    starts = _starts(index, shape)
     # Whole along every axis but the first: the part is one run of the flat array.
     contiguous = a.shape[1:] == tuple(shape[1:])
     first = int(np.ravel_multi_index(starts, shape)) * words if contiguous and a.size else 0
@@ -135,25 +140,25 @@ def _whole_bytes(dtype: Any) -> bool:
     return True  # bool, complex
 
 
+def _device_hash(x: jax.Array) -> int:
+    """`_local_hash` of a JAX array, each part hashed on the device that holds it (only
+    the sums come to the host): a GPU's way, which XLA:CPU runs too."""
+    shape, sums = tuple(x.shape), []
+    with jax.enable_x64(True):
+        for s in (s for s in x.addressable_shards if s.replica_id == 0):
+            starts = jax.device_put(np.asarray(_starts(s.index, shape), np.uint64), s.device)
+            sums.append(_device_part_hash(s.data, starts, shape))
+    return sum(int(v) for v in sums) % 2**64
+
+
 def _local_hash(x: Any) -> int:
     """The sum of `_part_hash` over the parts of `x` this process holds, mod 2**64: for a
-    JAX array's parts on an accelerator, on the device that holds each (nothing copied to
-    the host but the sum), else on the host."""
+    JAX array on accelerators on their devices (`_device_hash`), else on the host."""
+    if (isinstance(x, jax.Array) and _whole_bytes(x.dtype)
+            and all(d.platform != "cpu" for d in x.devices())):  # fmt: skip
+        return _device_hash(x)
     shape = tuple(x.shape)
-    if not isinstance(x, jax.Array):
-        return sum(_part_hash(part, index, shape) for part, index in _parts(x)) % 2**64
-    total, sums = 0, []
-    with jax.enable_x64(True):
-        for s in x.addressable_shards:
-            if s.replica_id != 0:
-                continue
-            if s.device.platform == "cpu" or not _whole_bytes(x.dtype) or s.data.size == 0:
-                total += _part_hash(np.asarray(s.data), s.index, shape)
-                continue
-            starts = [sl.indices(n)[0] for sl, n in zip(s.index, shape, strict=True)]
-            starts = jax.device_put(np.asarray(starts, np.uint64), s.device)
-            sums.append(_device_part_hash(s.data, starts, shape))
-        return (total + sum(int(v) for v in sums)) % 2**64
+    return sum(_part_hash(part, index, shape) for part, index in _parts(x)) % 2**64
 
 
 def hashes(stored: Any) -> list[str]:
