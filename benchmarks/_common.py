@@ -212,8 +212,10 @@ def save_figure(fig: Any, path: str | Path) -> Path:
 
 # ------------------------------------------------------------------- the guide's model
 
-# The guide's transformer: the size of every guide/remat/precision figure.
+# The guide's transformer: the size of every guide/remat/precision figure; and the
+# accumulation figures' (the compiled peaks, and the CPU's times).
 GUIDE = {"n_layers": 12, "d_model": 512, "n_heads": 8, "d_ff": 2048, "seq": 256, "batch": 32}
+ACCUMULATE = {"n_layers": 2, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 128, "batch": 32}
 
 
 def encoder(cfg: dict, key, remat="none", **options):

@@ -53,7 +53,7 @@ SPARSE = {
 }  # fmt: skip
 SPARSE_MLP = {"width": 1024, "layers": 3, "batch": 128, "density": 0.3, "slack": 0.1}
 MAX_SKIPPED = 30  # overflowing updates a dynamic loss scale may skip before the first good one
-SMOKE_REPORTS = ("remat/none",)  # the smoke run's one memory report (each is one more compile)
+SMOKE_REPORTS = ("guide/none",)  # the smoke run's one memory report (each is one more compile)
 
 # The compile-only target of each device kind a GPU may report (`device_kind`).
 _KINDS = {"H100 80GB": "h100", "H100 PCIe": "h100-pcie", "H200": "h200", "A100-SXM4-40GB":
@@ -320,14 +320,16 @@ def _report(shapes, optimizer, batch, accumulate) -> dict:
 
 
 def transformer(name: str, spec: dict, sizes: dict):
-    """The guide's encoder trained by `make_step` (SGD, float32): a remat preset, micro-batches."""
+    """The guide's encoder trained by `make_step` (SGD): a remat preset or segments,
+    micro-batches, a precision; at `sizes[spec["size"]]` (the guide's timing size by default)."""
 
-    cfg, remat = sizes["transformer"], spec.get("remat", "none")
-    accumulate = spec.get("accumulate", 1)
+    cfg, remat = sizes[spec.get("size", "transformer")], spec.get("remat", "none")
+    accumulate, segment = spec.get("accumulate", 1), spec.get("segment")
     optimizer = optax.sgd(0.01)
-    step = el.train.make_step(el.train.mse, optimizer, accumulate=accumulate)
+    step = el.train.make_step(el.train.mse, optimizer, accumulate=accumulate,
+                              precision=spec.get("precision"))  # fmt: skip
     model_key, data_key = jr.split(jr.PRNGKey(0))
-    state = step.init(encoder(cfg, model_key, remat), key=jr.PRNGKey(1))
+    state = step.init(encoder(cfg, model_key, remat, segment=segment), key=jr.PRNGKey(1))
     batch = _batch(cfg, data_key)
     update, info = _step_runner(step, state, batch, spec.get("host", False))
     if spec.get("report") and (sizes["name"] != "smoke" or name in SMOKE_REPORTS):
@@ -336,9 +338,19 @@ def transformer(name: str, spec: dict, sizes: dict):
     return update, info
 
 
+def plain(name: str, spec: dict, sizes: dict):
+    """Plain Equinox's encoder, its scanned body checkpointed (`plain_encoder`), trained by
+    the hand step (SGD) on the guide's batch."""
+    cfg = sizes["transformer"]
+    run = hand_loop(plain_encoder(cfg, True), el.train.mse, optax.sgd(0.01))[0]
+    batch = _batch(cfg, jr.split(jr.PRNGKey(0))[1])
+    update = lambda: run([batch])  # noqa: E731
+    return update, {"loss": float(update())}
+
+
 def multisteps(name: str, spec: dict, sizes: dict):
     """`optax.MultiSteps`: a hand-written step per micro-batch."""
-    cfg, k = sizes["transformer"], spec["accumulate"]
+    cfg, k = sizes["accumulate"], spec["accumulate"]
     model_key, data_key = jr.split(jr.PRNGKey(0))
     opt = optax.MultiSteps(optax.sgd(0.01), every_k_schedule=k)
     run, box = hand_loop(encoder(cfg, model_key), el.train.mse, opt)

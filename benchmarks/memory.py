@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, if not installed
 import quality  # noqa: E402
 from _common import (  # noqa: E402
+    ACCUMULATE,
     GUIDE,
     RESULTS,
     compiled_memory,
@@ -95,7 +96,6 @@ from _steps import (  # noqa: E402
 
 import eqx_lowmem as el  # noqa: E402
 
-ACCUMULATE = {"n_layers": 2, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 128, "batch": 32}
 SHARD = {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 64, "batch": 32}
 WRN = {"depth": 28, "width": 2, "batch": 100, "image": (3, 32, 32)}
 LM = {"vocab": 10_000, "seq": 250, "batch": 16, "n_layers": 12, "d_model": 512, "n_heads": 4,

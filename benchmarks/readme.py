@@ -43,7 +43,9 @@ def grid() -> dict:
 
 # JSON files of runs the scripts no longer make: the last commit that had each.
 RETIRED = {"paper_quality_timing": "6196cc4", "paper_quality_lr": "837811e",
-           "paper_quality_ablation": "837811e", "paper_quality_sparse": "837811e"}  # fmt: skip
+           "paper_quality_ablation": "837811e", "paper_quality_sparse": "837811e",
+           "optimizer_state": "837811e", "remat": "f5092dd",
+           "memory_and_data": "f5092dd"}  # fmt: skip
 
 
 def cite(name: str) -> str:
@@ -90,6 +92,17 @@ def bound(g: dict) -> str:
     """A speed goal's bound (`">= 0.97"`) in words."""
     sense, value = g["goal"].split()
     return f"{'at least' if sense == '>=' else 'at most'} {value}x"
+
+
+def meets(g: dict, ratio: float) -> bool:
+    """Whether `ratio` meets a speed goal's bound (for a figure measured elsewhere)."""
+    sense, value = g["goal"].split()
+    return ratio <= float(value) if sense == "<=" else ratio >= float(value)
+
+
+def timed(what: str, g: dict, digits: int = 2) -> tuple:
+    """A goals row from a speed goal: its ratio, its bound and whether it is met."""
+    return what, x(g["ratio"], digits), bound(g), g["met"]
 
 
 def part(*blocks: str) -> str:
@@ -210,81 +223,102 @@ def sparse_quality() -> str:
     )  # fmt: skip
 
 
+def optimizer_state() -> str:
+    """Adam's state in float32, 16 and 8 bits: its bytes a parameter and the guide LM's
+    compiled step (`memory.py`), a small LM's step time side by side (`speed.py`), and the
+    held-out losses of a retired run."""
+    g, t, run = grid(), result("speed"), result("optimizer_state")
+    summary, most = run["summary"], run["goals"]["bytes_per_param_8bit"]
+    names = {"float32": "float32", "16bit": "16 bits (`half_state`)",
+             "8bit": "8 bits (`quantized_state`)"}  # fmt: skip
+    rows = {label: {"bytes": g[f"optimizer_state/{v}"]["bytes_per_param"],
+                    "cpu": g[f"optimizer_state/{v}"]["peak_bytes"] / MB,
+                    "h100": g[f"optimizer_state/{v}"]["h100"]["peak_bytes"] / MB,
+                    "time": t["configs"][f"optimizer_state/{v}"]["time_vs_base"],
+                    "losses": " / ".join(f"{v:.3f}" for v in summary["held_out_loss"][v])}
+            for v, label in names.items()}  # fmt: skip
+    columns = {"bytes a parameter": "{bytes:.3f}", "compiled peak MB": "{cpu:,.1f}",
+               "H100 MB": "{h100:,.1f}", "step time vs 16 bits": "{time:.2f}x",
+               "held-out loss (seeds 0 / 1)": "{losses}"}  # fmt: skip
+    eight = rows[names["8bit"]]["bytes"]
+    return part(
+        sources("memory_grid", "speed", "optimizer_state",
+                by="benchmarks/memory.py, speed.py --only optimizer_state/",
+                note="peaks: the guide's LM (12 layers, d_model 512, batch 32 x 256, full "
+                "recomputation); times: a 2-layer LM of width 128; losses: 300 updates of "
+                "that LM on the standard library's source"),
+        spec_table("Adam's state", columns, rows),
+        goals([
+            ("8 bits: bytes a parameter", f"{eight:.3f}", f"at most {most}", eight <= most),
+            timed("8 bits: step time against 16 bits", t["goals"]["state_8bit_time"]),
+            ("8 bits: held-out loss against float32's (mean of the seeds)",
+             f"{summary['held_out_gap_8bit_vs_float32']:+.3f}",
+             f"within the seeds' spread ({summary['float32_seed_spread']:.3f})",
+             summary["loss_goal_met"]),
+        ]),
+    )  # fmt: skip
+
+
 # ------------------------------------------------------------------- memory and speed
 
-# (label, memory grid row, configuration of memory_and_data.json's timing)
+# (label, the row's name in both grids: memory.py's and speed.py's `guide/*`)
 _GUIDE_ROWS = (
-    ("plain Equinox: `lax.scan`, body in `eqx.filter_checkpoint`", "plain_eqx_checkpoint",
-     "plain_eqx_checkpoint"),
-    ("`remat=True`", "full", "remat_full"),
-    ("`accumulate=4` (4 x 8)", "accumulate_4", "accumulate_4"),
-    ("`remat=True`, `accumulate=4`", "full_accumulate_4", "remat_full_accumulate_4"),
-    ('`segment="sqrt"` (3 blocks)', "segments", "segments_sqrt"),
-    ('`precision="mixed_bf16"` (XLA:CPU computes bf16 in float32)', "mixed_bf16", "mixed_bf16"),
+    ("plain Equinox: `lax.scan`, body in `eqx.filter_checkpoint`", "plain_eqx_checkpoint"),
+    ("`remat=True`", "full"),
+    ("`accumulate=4` (4 x 8)", "accumulate_4"),
+    ("`remat=True`, `accumulate=4`", "full_accumulate_4"),
+    ('`segment="sqrt"` (3 blocks)', "segments"),
+    ('`precision="mixed_bf16"` (XLA:CPU computes bf16 in float32)', "mixed_bf16"),
 )  # fmt: skip
 
 
 def guide() -> str:
-    d = result("memory_and_data")
-    ref, c, g = d["reference_t4"], d["configs"], grid()
+    ref, g, s = result("memory_and_data")["reference_t4"], grid(), result("speed")
+    time = lambda n: s["configs"][f"guide/{n}"]["time_vs_base"]  # noqa: E731
     rows = [
-        [
-            "guide's reference: per-block `jax.checkpoint`",
-            "T4",
-            "",
-            f"{ref['peak_ratio']:.3f}",
-            f"{ref['time_ratio']:.2f}",
-        ],
+        ["guide's reference: per-block `jax.checkpoint`", "T4", "", f"{ref['peak_ratio']:.3f}",
+         f"{ref['time_ratio']:.2f}"],
         ["baseline", "CPU", f"{g['guide/none']['peak'] / MIB:,.0f}", "1.000", "1.00"],
-    ]
-    rows += [[label, "CPU", f"{g['guide/' + n]['peak'] / MIB:,.0f}",
-              f"{peak_vs('guide/' + n):.3f}", f"{c[t]['time_vs_baseline']:.2f}"]
-             for label, n, t in _GUIDE_ROWS]  # fmt: skip
-    claims = {k["id"]: k for k in d["claims"]}
-    remat_peak, remat_time = (claims[f"remat_{k}"]["threshold"] for k in ("peak", "time"))
+        *([label, "CPU", f"{g['guide/' + n]['peak'] / MIB:,.0f}", f"{peak_vs('guide/' + n):.3f}",
+           f"{time(n):.2f}"] for label, n in _GUIDE_ROWS),
+    ]  # fmt: skip
+    peak, goal_of = peak_vs("guide/full"), s["goals"]
     return part(
-        sources("memory_grid", "memory_and_data", by="benchmarks/memory.py",
-                note="peaks compiled, times measured"),
+        sources("memory_grid", "speed", "memory_and_data",
+                by="benchmarks/memory.py, speed.py --only guide/",
+                note="peaks compiled, times side by side; the T4 row is the guide's own"),
         table(["configuration", "device", "peak MiB", "peak vs baseline",
                "step time vs baseline"], rows, 2),
-        goals([
-            ("`remat=True`: peak", x(peak_vs("guide/full"), 3), f"at most {remat_peak}x",
-             peak_vs("guide/full") <= remat_peak),
-            ("`remat=True`: time", x(claims["remat_time"]["measured"]), f"at most {remat_time}x",
-             claims["remat_time"]["met"]),
-            ("4 micro-batches of 8 against a batch of 32: parameters after an update",
-             f"{claims['accumulate_equal']['measured']:.0e} relative", "", None),
-        ], "claim written before the run"),
+        goals([("`remat=True`: compiled peak", x(peak, 3), bound(goal_of["full_remat_peak"]),
+                meets(goal_of["full_remat_peak"], peak)),
+               timed("`remat=True`: time", goal_of["full_remat_time"])]),
     )  # fmt: skip
 
 
 def remat() -> str:
-    d = result("remat")
-    v = d["variants"]
-    rows = [[n, f"{peak_vs('guide/' + n):.3f}", f"{v[f'{n}/scan']['time_vs_none']:.2f}"]
+    t, compile_s = result("speed")["configs"], result("remat")["compile_s"]
+    rows = [[n, f"{peak_vs('guide/' + n):.3f}", f"{t['guide/' + n]['time_vs_base']:.2f}"]
             for n in ("full", "dots", "minimal")]  # fmt: skip
-    compile_ratio = d["compile_s"]["48"] / d["compile_s"]["4"]
     return part(
-        sources("memory_grid", "remat", note="memory at the guide's size, time at 4 layers, "
-                f"batch 2; compiling 48 scanned layers took {compile_ratio:.3f}x the time of 4"),
+        sources("memory_grid", "speed", "remat", note="memory at the guide's size, time at its "
+                "timing size; compiling 48 scanned layers took "
+                f"{compile_s['48'] / compile_s['4']:.3f}x the time of 4 (`remat.json`)"),
         table(["preset", "peak vs none", "time vs none"], rows),
     )  # fmt: skip
 
 
 def accumulate() -> str:
-    d, g = result("accumulate"), grid()
-    a, bound = d["achieved"], d["goals"]
+    s, g = result("speed")["goals"], grid()
     peaks = " against ".join(f"{g[f'accumulate/k{k}']['peak'] / MIB:.0f} MiB" for k in (4, 1))
     return part(
-        sources("accumulate", "memory_grid", note="times, then peaks"),
+        sources("speed", "memory_grid", by="benchmarks/speed.py --only accumulate/, memory.py",
+                note="times side by side, then peaks"),
         goals([
-            ("4 micro-batches of 8: updates per second against the whole batch",
-             x(a["scan_k4_vs_whole_batch"]), f"at least {bound['scan_k4_vs_whole_batch']}x",
-             d["goals_met"]["scan_k4_vs_whole_batch"]),
+            timed("4 micro-batches of 8: updates per second against the whole batch",
+                  s["accumulate_vs_whole_batch"]),
             ("4 micro-batches of 8: compiled peak against the whole batch", peaks, "", None),
-            ("4 micro-batches of 8: updates per second against `optax.MultiSteps`",
-             x(a["scan_k4_vs_multisteps_k4"]), f"at least {bound['scan_k4_vs_multisteps_k4']}x",
-             d["goals_met"]["scan_k4_vs_multisteps_k4"]),
+            timed("4 micro-batches of 8: updates per second against `optax.MultiSteps`",
+                  s["accumulate_vs_multisteps"]),
         ]),
     )  # fmt: skip
 
@@ -353,8 +387,6 @@ def hand_written() -> str:
                     "peak": g[f"step/{c}"]["library"]["peak"] / g[f"step/{c}"]["hand"]["peak"]}
             for c, label in _HAND_CASES.items()}  # fmt: skip
     times, peaks = [r["time"] for r in rows.values()], [r["peak"] for r in rows.values()]
-    fit, plan = s["fit_vs_hand_loop"], p["goals"]["plan_vs_one_compile"]
-    prefetching = s["fit_vs_prefetching_hand_loop"]
     compiled = {n: p["configs"][f"plan/{n}"]["compiled"] for n in ("pruned", "every")}
     same = "the same choice as" if p["checks"]["plan"]["ok"] else "**not the choice of**"
     return part(
@@ -367,13 +399,13 @@ def hand_written() -> str:
             ("every step's updates per second", x(min(times), 3), bound(s["step_mlp_time"]),
              all(s[f"step_{c}_time"]["met"] for c in _HAND_CASES)),
             ("every step's compiled peak", x(max(peaks), 4), "at most 1.01x", max(peaks) <= 1.01),
-            ("`Trainer.fit` against a hand loop (the MLP, an epoch of 40 updates a call, "
-             "its data check included)", x(fit["ratio"], 3), bound(fit), fit["met"]),
-            ("`Trainer.fit` against a hand loop fed by `DataStream.prefetch()`",
-             x(prefetching["ratio"], 3), bound(prefetching), prefetching["met"]),
-            ("`plan` (its default candidates) against one compile of the step (4-block "
-             f"encoder; candidates compiled: {compiled['pruned']} of {compiled['every']}, "
-             f"{same} compiling all)", x(plan["ratio"]), bound(plan), plan["met"]),
+            timed("`Trainer.fit` against a hand loop (the MLP, an epoch of 40 updates a call, "
+                  "its data check included)", s["fit_vs_hand_loop"], 3),
+            timed("`Trainer.fit` against a hand loop fed by `DataStream.prefetch()`",
+                  s["fit_vs_prefetching_hand_loop"], 3),
+            timed("`plan` (its default candidates) against one compile of the step (4-block "
+                  f"encoder; candidates compiled: {compiled['pruned']} of {compiled['every']}, "
+                  f"{same} compiling all)", p["goals"]["plan_vs_one_compile"]),
         ]),
     )  # fmt: skip
 
@@ -417,9 +449,10 @@ def paper() -> str:
                   for n, c in runs)  # fmt: skip
     baseline_mb = g[base]["h100"]["total"] / MB
     where = ((True, "H100"), (False, "XLA:CPU"))
-    times = {f"`{k}`": v for k, v in result("paper")["step_time"].items() if "ratio" in v}
+    times = {f"`{n[len('paper/'):]}`": r for n, r in result("speed")["configs"].items()
+             if n.startswith("paper/") and n != "paper/fp32"}  # fmt: skip
     return part(
-        sources("memory_grid", "paper", note="the paper's reduction of its combinations is "
+        sources("memory_grid", "speed", note="the paper's reduction of its combinations is "
                 "9.5x, 33.2x and 60.7x (WRN) and 8.7x (transformer)"),
         *tables,
         goals([
@@ -439,8 +472,8 @@ def paper() -> str:
             ("the report's parts against the compiled peak", f"{100 * error:.1f}%", "within 10%",
              error <= 0.10),
         ]),
-        spec_table("step time against the paper's combination (WRN-16-1, batch 100)",
-                   {"ratio": "{ratio:.2f}x"}, times),
+        spec_table("step time against FP32 (`speed.py --only paper/`: WRN-16-1, batch 100)",
+                   {"ratio": "{time_vs_base:.2f}x"}, times),
     )  # fmt: skip
 
 
@@ -515,7 +548,7 @@ def frontier() -> str:
 
 # A section's marker is its function's name, with hyphens.
 SECTIONS: dict[str, Callable[[], str]] = {f.__name__.replace("_", "-"): f for f in (
-    main_job, short_example_time, checkpoint, shard, sparse, sparse_quality,
+    main_job, short_example_time, checkpoint, shard, sparse, sparse_quality, optimizer_state,
     guide, remat, accumulate, precision, data, hand_written, paper, quality, frontier,
 )}  # fmt: skip
 

@@ -15,8 +15,10 @@ outside the timer, burns in and times updates synchronised with `jax.block_until
   drift of a shared machine cancels. Writes `results/speed.json`.
 - `--smoke`: every configuration at tiny sizes in one process (a check of the script).
 
-Groups (`CONFIGS`, each against its `BASELINES` row; goals in `GOALS`): `remat/*` (the guide's
-encoder under each preset), `accumulate/*` (against `optax.MultiSteps` too), `stream/*` (a
+Groups (`CONFIGS`, each against its `BASELINES` row; goals in `GOALS`): `guide/*` (the guide's
+encoder under each remat preset, segments, micro-batches, mixed bf16 and plain Equinox's
+checkpointed scan: the rows of `memory.py`'s `guide/*` of the same names), `accumulate/*`
+(4 micro-batches against the whole batch and against `optax.MultiSteps`), `stream/*` (a
 prefetched `DataStream` over `.npy` memory maps; the Trainer's data check), `lm_loss/*` (the
 LM loss, whole logits or chunked), `sparse/*` (sparse storage on an MLP), `paper/*`
 (WRN-28-2: FP32, FP16 + checkpointing, + micro-batches, + 30% density), `optimizer_state/*`
@@ -26,7 +28,7 @@ against one compile). The steps are `_steps.py`'s, one builder per kind; `memory
 compiles the same steps.
 
     python benchmarks/speed.py --device gpu          # on a GPU: results/gpu.json
-    python benchmarks/speed.py --device gpu --only remat/ accumulate/
+    python benchmarks/speed.py --device gpu --only guide/ accumulate/
     python benchmarks/speed.py                       # CPU: results/speed.json
     python benchmarks/speed.py --smoke --out /tmp/s.json
 """
@@ -50,6 +52,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, if
 import _steps  # noqa: E402
 import jax  # noqa: E402
 from _common import (  # noqa: E402
+    ACCUMULATE,
     GUIDE,
     RESULTS,
     interleaved,
@@ -74,18 +77,19 @@ TINY = {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_ff": 32, "seq": 8, "batch
 PLAN = {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 128, "batch": 32,
         "budget": 200_000_000}  # fmt: skip
 SIZES = {
-    "gpu": {"transformer": GUIDE, "mlp": SPARSE_MLP,
+    "gpu": {"transformer": GUIDE, "accumulate": GUIDE, "mlp": SPARSE_MLP,
             "wrn": {"depth": 28, "width": 2, "batch": 100, "image": 32}, "stream_samples": 512,
             "lm_loss": LM_LOSS, "step_scale": 8, "plan": PLAN, "char_lm": CHAR_LM_GUIDE,
             "timing": {"burn_in": 3, "repeats": 10, "repeats_short": 61}},
     # A CPU update of the guide's size takes seconds: 4 blocks of width 128 (about 0.07 s).
     "cpu": {"transformer": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512,
                             "seq": 128, "batch": 8},
-            "mlp": SPARSE_MLP,
+            "accumulate": ACCUMULATE, "mlp": SPARSE_MLP,
             "wrn": {"depth": 16, "width": 1, "batch": 100, "image": 32}, "stream_samples": 256,
             "lm_loss": LM_LOSS, "step_scale": 1, "plan": PLAN, "char_lm": CHAR_LM_SMALL,
             "timing": {"burn_in": 1, "repeats": 9, "repeats_short": 31}},
-    "smoke": {"transformer": TINY, "mlp": {**SPARSE_MLP, "width": 32, "batch": 8},
+    "smoke": {"transformer": TINY, "accumulate": TINY,
+              "mlp": {**SPARSE_MLP, "width": 32, "batch": 8},
               "wrn": {"depth": 10, "width": 1, "batch": 100, "image": 8}, "stream_samples": 16,
               "lm_loss": LM_LOSS_SMOKE, "step_scale": 1, "fit_updates": 2,
               "char_lm": {**CHAR_LM_SMALL, "layers": 1, "d_model": 16, "d_ff": 32, "seq": 8},
@@ -96,12 +100,14 @@ BUDGET_S = 450  # the GPU run; issue 13's bound is 8 minutes
 WORKER_TIMEOUT_S = 150
 DENSITY = 0.3
 CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops the last)
-    **{f"remat/{p}": {"kind": "transformer", "remat": p, "report": True}
+    **{f"guide/{p}": {"kind": "transformer", "remat": p, "report": True}
        for p in ("none", "full", "dots")},
-    "remat/minimal": {"kind": "transformer", "remat": "minimal", "report": True, "host": True},
-    "remat/minimal_offloaded": {"kind": "transformer", "remat": "minimal_offloaded",
+    "guide/minimal": {"kind": "transformer", "remat": "minimal", "report": True, "host": True},
+    "guide/minimal_offloaded": {"kind": "transformer", "remat": "minimal_offloaded",
                                 "report": True, "host": True},
-    "accumulate/k4": {"kind": "transformer", "accumulate": 4, "report": True},
+    "accumulate/k1": {"kind": "transformer", "size": "accumulate"},
+    "accumulate/k4": {"kind": "transformer", "size": "accumulate", "accumulate": 4,
+                      "report": True},
     "accumulate/multisteps_k4": {"kind": "multisteps", "accumulate": 4},
     "stream/resident": {"kind": "stream", "source": "resident"},
     "stream/memmap_prefetch": {"kind": "stream", "source": "memmap"},
@@ -139,20 +145,26 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
     "plan/one_compile": {"kind": "plan", "prune": None},
     "plan/pruned": {"kind": "plan", "prune": True},
     "plan/every": {"kind": "plan", "prune": False},
+    # The rest of the guide's table (memory.py's `guide/*` rows of the same names).
+    "guide/segments": {"kind": "transformer", "segment": "sqrt"},
+    "guide/accumulate_4": {"kind": "transformer", "accumulate": 4},
+    "guide/full_accumulate_4": {"kind": "transformer", "remat": "full", "accumulate": 4},
+    "guide/mixed_bf16": {"kind": "transformer", "precision": "mixed_bf16"},
+    "guide/plain_eqx_checkpoint": {"kind": "plain"},
 }  # fmt: skip
 # Each group's baseline: the rows of a group are compared with it (on a CPU, side by side).
-BASELINES = {"remat": "remat/none", "accumulate": "remat/none", "stream": "stream/resident",
+BASELINES = {"guide": "guide/none", "accumulate": "accumulate/k1", "stream": "stream/resident",
              "lm_loss": "lm_loss/naive", "sparse": "sparse/dense",
              "paper": "paper/fp32", "plan": "plan/one_compile",
              "optimizer_state": "optimizer_state/16bit", "fit": "fit/hand",
              **{f"step_{c}": f"step_{c}/hand" for c in STEP_CASES}}  # fmt: skip
-NONE, UPS = "remat/none", "updates_per_s"
+NONE, UPS = "guide/none", "updates_per_s"
 GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
-    "full_remat_peak": ("remat/full", NONE, "peak", "<=", 0.20),
-    "full_remat_time": ("remat/full", NONE, "step_s", "<=", 1.30),
-    "selective_remat_peak": ("remat/{selective}", NONE, "peak", "<=", 0.60),
-    "selective_remat_time": ("remat/{selective}", NONE, "step_s", "<=", 1.10),
-    "accumulate_vs_whole_batch": ("accumulate/k4", NONE, UPS, ">=", 0.95),
+    "full_remat_peak": ("guide/full", NONE, "peak", "<=", 0.20),
+    "full_remat_time": ("guide/full", NONE, "step_s", "<=", 1.30),
+    "selective_remat_peak": ("guide/{selective}", NONE, "peak", "<=", 0.60),
+    "selective_remat_time": ("guide/{selective}", NONE, "step_s", "<=", 1.10),
+    "accumulate_vs_whole_batch": ("accumulate/k4", "accumulate/k1", UPS, ">=", 0.95),
     "accumulate_vs_multisteps": ("accumulate/k4", "accumulate/multisteps_k4", UPS, ">=", 1.20),
     "stream_vs_resident": ("stream/memmap_prefetch", "stream/resident", UPS, ">=", 0.95),
     "check_data_stall": ("stream/trainer_checked", "stream/trainer_unchecked", UPS, ">=", 0.95),
@@ -257,10 +269,10 @@ def _ratio(results: dict, num: str, den: str, quantity: str) -> float | None:
 def evaluate_goals(results: dict) -> dict:
     """Each goal's ratio and whether it is met (None where a figure is missing: peaks on a
     CPU, a configuration that did not run); and the memory report against the peaks."""
-    time_of = {n: _ratio(results, f"remat/{n}", NONE, "step_s") for n in ("dots", "minimal")}
+    time_of = {n: _ratio(results, f"guide/{n}", NONE, "step_s") for n in ("dots", "minimal")}
     timed = [n for n, t in time_of.items() if t is not None]
-    fast = [n for n in timed if time_of[n] <= 1.10 and _ratio(results, f"remat/{n}", NONE, "peak")]
-    selective = (min(fast, key=lambda n: _ratio(results, f"remat/{n}", NONE, "peak")) if fast
+    fast = [n for n in timed if time_of[n] <= 1.10 and _ratio(results, f"guide/{n}", NONE, "peak")]
+    selective = (min(fast, key=lambda n: _ratio(results, f"guide/{n}", NONE, "peak")) if fast
                  else min(timed, key=time_of.get, default=None))  # fmt: skip
     goals = {}
     for name, (num, den, quantity, sense, bound) in GOALS.items():
@@ -288,8 +300,10 @@ def check_consistency(results: dict) -> dict:
     same function from the same parameters and batch (remat and accumulation change the
     schedule, not the arithmetic)."""
     groups = {
-        "float32": ["remat/none", "remat/full", "remat/dots", "remat/minimal",
-                    "remat/minimal_offloaded", "accumulate/k4"],
+        "float32": ["guide/none", "guide/full", "guide/dots", "guide/minimal",
+                    "guide/minimal_offloaded", "guide/segments", "guide/accumulate_4",
+                    "guide/full_accumulate_4"],
+        "accumulate": ["accumulate/k1", "accumulate/k4"],
         "lm_loss": [n for n in CONFIGS if n.startswith("lm_loss/")],
         "optimizer_state": [f"optimizer_state/{v}" for v in OPTIMIZERS],
     }  # fmt: skip

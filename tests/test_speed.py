@@ -43,7 +43,7 @@ def test_smoke_runs_every_configuration(smoke):
         assert "skipped" not in result, name
         assert result["step_s"] > 0 and result["updates_per_s"] > 0, name
     # The memory report records the attention implementation the model's "auto" resolves to.
-    assert configs["remat/none"]["report"]["attention"] == {"auto": "chunked"}
+    assert configs["guide/none"]["report"]["attention"] == {"auto": "chunked"}
 
 
 @pytest.mark.slow  # the whole script's smoke run
@@ -58,9 +58,9 @@ def test_smoke_records_null_peaks_on_cpu_and_the_environment(smoke):
         if "step_s" in result:
             assert result["peak"] is None, name  # device.memory_stats() is None on CPU
     # Compile-only figures still exist: the memory report and the host-memory figures.
-    report = record["configs"]["remat/none"]["report"]
+    report = record["configs"]["guide/none"]["report"]
     assert report["predicted"] > 0 and report["trusted"] == "peak_bytes"
-    compiled = record["configs"]["remat/minimal"]["compiled"]
+    compiled = record["configs"]["guide/minimal"]["compiled"]
     assert compiled["peak"] > 0 and compiled["host_temp"] == 0  # CPU drops host placement
 
 
@@ -75,10 +75,12 @@ def test_smoke_evaluates_goals_and_checks(smoke):
         assert goals[name]["ratio"] > 0 and goals[name]["met"] in (True, False), name
     # Remat and accumulation change the schedule, not the arithmetic.
     assert record["checks"]["float32"]["ok"], record["checks"]
-    assert "accumulate/k4" in record["checks"]["float32"]["names"]
+    assert "guide/full_accumulate_4" in record["checks"]["float32"]["names"]
+    accumulate = record["checks"]["accumulate"]
+    assert accumulate["ok"] and accumulate["names"] == ["accumulate/k1", "accumulate/k4"]
     assert "wrote" in stdout
     # Each row against its group's baseline, timed in the same rounds.
-    none, full = record["configs"]["remat/none"], record["configs"]["remat/full"]
+    none, full = record["configs"]["guide/none"], record["configs"]["guide/full"]
     assert none["time_vs_base"] == 1.0 and full["time_vs_base"] > 0
     assert len(none["step_s_all"]) == len(full["step_s_all"]) >= 2
     # The chunked LM loss against the whole logits', compared in the same process.
@@ -117,11 +119,12 @@ def test_refuses_the_gpu_run_without_a_gpu(tmp_path):
 def _gpu_like() -> dict:
     mib = 2**20
     return {
-        "remat/none": {"peak": 1000 * mib, "step_s": 0.100, "updates_per_s": 10.0},
-        "remat/full": {"peak": 190 * mib, "step_s": 0.125, "updates_per_s": 8.0},
+        "guide/none": {"peak": 1000 * mib, "step_s": 0.100, "updates_per_s": 10.0},
+        "guide/full": {"peak": 190 * mib, "step_s": 0.125, "updates_per_s": 8.0},
         # dots: less memory but too slow; minimal meets the time goal.
-        "remat/dots": {"peak": 400 * mib, "step_s": 0.120, "updates_per_s": 8.3},
-        "remat/minimal": {"peak": 550 * mib, "step_s": 0.105, "updates_per_s": 9.5},
+        "guide/dots": {"peak": 400 * mib, "step_s": 0.120, "updates_per_s": 8.3},
+        "guide/minimal": {"peak": 550 * mib, "step_s": 0.105, "updates_per_s": 9.5},
+        "accumulate/k1": {"peak": 1000 * mib, "step_s": 0.100, "updates_per_s": 10.0},
         "accumulate/k4": {"peak": 400 * mib, "step_s": 0.104, "updates_per_s": 9.6},
         "accumulate/multisteps_k4": {"peak": 600 * mib, "step_s": 0.150, "updates_per_s": 6.6},
         "stream/resident": {"step_s": 0.1, "updates_per_s": 10.0},
@@ -131,14 +134,14 @@ def _gpu_like() -> dict:
 
 def test_goals_on_gpu_like_figures():
     results = _gpu_like()
-    results["remat/none"]["report"] = {"predicted": 1030 * 2**20}
-    results["remat/full"]["report"] = {"predicted": 180 * 2**20}
+    results["guide/none"]["report"] = {"predicted": 1030 * 2**20}
+    results["guide/full"]["report"] = {"predicted": 180 * 2**20}
     goals = gpu.evaluate_goals(results)
     assert goals["full_remat_peak"]["ratio"] == pytest.approx(0.19)
     assert goals["full_remat_peak"]["met"] is True
     assert goals["full_remat_time"]["ratio"] == pytest.approx(1.25)
     # The selective preset is minimal: the one of those meeting the time goal.
-    assert goals["selective_remat_peak"]["of"].startswith("remat/minimal /")
+    assert goals["selective_remat_peak"]["of"].startswith("guide/minimal /")
     assert goals["selective_remat_peak"]["met"] is True
     assert goals["accumulate_vs_whole_batch"]["met"] is True  # 0.96
     assert goals["accumulate_vs_multisteps"]["met"] is True  # 9.6 / 6.6
@@ -146,12 +149,12 @@ def test_goals_on_gpu_like_figures():
     report = goals["report_within_5_percent"]
     assert report["ratio"] == pytest.approx(180 / 190 - 1)  # the worst, -5.3%
     assert report["met"] is False
-    assert set(report["of"]) == {"remat/none", "remat/full"}
+    assert set(report["of"]) == {"guide/none", "guide/full"}
 
 
 def test_goals_missing_figures_are_none_not_failures():
     results = _gpu_like()
-    del results["remat/full"]
+    del results["guide/full"]
     results["accumulate/multisteps_k4"] = {"error": "a broken piece"}
     goals = gpu.evaluate_goals(results)
     assert goals["full_remat_peak"]["ratio"] is None and goals["full_remat_peak"]["met"] is None
@@ -163,25 +166,25 @@ def test_times_taken_side_by_side_compare_round_by_round():
     # In one process (CPU), a ratio is the median of the rounds' ratios, not of the medians:
     # a round slowed for both by the machine's load cancels out.
     results = _gpu_like()
-    results["remat/none"] |= {"pid": 7, "step_s_all": [1.0, 2.0, 10.0]}
-    results["remat/full"] |= {"pid": 7, "step_s_all": [1.3, 2.4, 11.0]}
+    results["guide/none"] |= {"pid": 7, "step_s_all": [1.0, 2.0, 10.0]}
+    results["guide/full"] |= {"pid": 7, "step_s_all": [1.3, 2.4, 11.0]}
     goals = gpu.evaluate_goals(results)
     assert goals["full_remat_time"]["ratio"] == pytest.approx(1.2)  # of 1.3, 1.2, 1.1
     assert goals["full_remat_time"]["met"] is True
     # Timed in other rounds: no pairs, the ratio of their step times.
-    results["remat/full"]["rounds"] = "own"
+    results["guide/full"]["rounds"] = "own"
     assert gpu.evaluate_goals(results)["full_remat_time"]["ratio"] == pytest.approx(0.125 / 0.1)
 
 
 def test_consistency_check_flags_a_different_loss():
     same = {"loss": 1.0, "grad_norm": 2.0}
     results = {
-        "remat/none": same,
-        "remat/full": {"loss": 1.0 + 1e-4, "grad_norm": 2.0},
+        "guide/none": same,
+        "guide/full": {"loss": 1.0 + 1e-4, "grad_norm": 2.0},
         "lm_loss/naive": same,
         "lm_loss/chunked": {"loss": 1.2, "grad_norm": 2.0},
     }
     checks = gpu.check_consistency(results)
-    assert checks["float32"]["ok"] and checks["float32"]["names"] == ["remat/none", "remat/full"]
+    assert checks["float32"]["ok"] and checks["float32"]["names"] == ["guide/none", "guide/full"]
     assert not checks["lm_loss"]["ok"]
     assert checks["lm_loss"]["max_rel_diff"] == pytest.approx(0.2)

@@ -10,9 +10,9 @@ Two ways to store where the slots are (`storage=` of `sparsify` and `from_dense`
   Where the layer runs, each dense position's slot is derived from the bits (its word's
   running population count plus the set bits below it), a chunk of positions at a time,
   never stored: three passes over the dense weight per step (two rebuilds and the value
-  gradient). On 2 CPU cores the benchmark MLP's step took 1.52x the dense step's time
-  against 1.04x with indices (`benchmarks/speed.py --only sparse/`, `results/speed.json`),
-  for 0.34x the dense parameters and Adam state against 0.44x.
+  gradient): the benchmark MLP's step is slower than with indices (the README's sparse
+  table, `benchmarks/speed.py --only sparse/`), for 0.34x the dense parameters and Adam
+  state against 0.44x.
 
 A slot whose index is `size` (the dense weight's element count) is empty: the rebuild
 drops it.
