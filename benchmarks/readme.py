@@ -4,9 +4,10 @@ Each generated part of README.md stands between `<!-- figures:NAME -->` and
 `<!-- /figures:NAME -->`: a line naming its JSON files and their dates, then tables. A table
 is a spec: a header per column and, per row, the row's figures (`table`); or goals, each
 with what it reached and its bound (`goals`). `SECTIONS[NAME]` writes a part from the JSON
-alone, so a figure in the README cannot drift from its measurement; the prose around the
-parts is written by hand and states no measured figure. `tests/test_readme_figures.py`
-fails when they disagree: rerun a benchmark, then this script.
+alone, so a figure in a part cannot drift from its measurement; `tests/test_readme_figures.py`
+fails when they disagree: rerun a benchmark, then this script. The prose around the parts is
+written by hand; where it quotes a figure it names the JSON (or the commit whose JSON) that
+holds it, which nothing checks: put a figure that should stay current in a part.
 
     python benchmarks/readme.py          # rewrite README.md's generated parts
     python benchmarks/readme.py --check  # exit 1, naming the parts that differ
