@@ -101,6 +101,12 @@ def meets(g: dict, ratio: float) -> bool:
     return ratio <= float(value) if sense == "<=" else ratio >= float(value)
 
 
+def limit(what: str, value: float, bound: float, most: bool = True, digits: int = 2) -> tuple:
+    """A goals row for a ratio worked out here: `value` at most (or at least) `bound`."""
+    met = value <= bound if most else value >= bound
+    return what, x(value, digits), f"{'at most' if most else 'at least'} {bound}x", met
+
+
 def timed(what: str, g: dict, digits: int = 2) -> tuple:
     """A goals row from a speed goal: its ratio, its bound and whether it is met."""
     return what, x(g["ratio"], digits), bound(g), g["met"]
@@ -205,8 +211,7 @@ def sparse() -> str:
     return part(
         sources("speed", "memory_grid", by="benchmarks/speed.py --only sparse/, memory.py"),
         spec_table("variant", columns, {SPARSE[n][0]: r for n, r in rows.items()}),
-        goals([(f"{SPARSE[n][0]}: {what} against dense", x(rows[n][what]), f"at most {bound}x",
-                rows[n][what] <= bound)
+        goals([limit(f"{SPARSE[n][0]}: {what} against dense", rows[n][what], bound)
                for n in ("ours", "ours_dsr100", "rewired_dsr100", "bits")
                for what, bound in (("time", 1.3), ("peak", 0.6))]),
     )  # fmt: skip
@@ -331,10 +336,8 @@ def precision() -> str:
     return part(
         sources("memory_grid", by="benchmarks/memory.py", note="the guide's configuration"),
         goals([
-            ("bytes the backward pass keeps, mixed bf16 against float32", x(saved),
-             "at most 0.55x", saved <= 0.55),
-            ("parameters and Adam state, 16-bit storage against float32", x(state),
-             "at most 0.55x", state <= 0.55),
+            limit("bytes the backward pass keeps, mixed bf16 against float32", saved, 0.55),
+            limit("parameters and Adam state, 16-bit storage against float32", state, 0.55),
         ]),
     )  # fmt: skip
 
@@ -399,7 +402,7 @@ def hand_written() -> str:
         goals([
             ("every step's updates per second", x(min(times), 3), bound(s["step_mlp_time"]),
              all(s[f"step_{c}_time"]["met"] for c in _HAND_CASES)),
-            ("every step's compiled peak", x(max(peaks), 4), "at most 1.01x", max(peaks) <= 1.01),
+            limit("every step's compiled peak", max(peaks), 1.01, digits=4),
             timed("`Trainer.fit` against a hand loop (the MLP, an epoch of 40 updates a call, "
                   "its data check included)", s["fit_vs_hand_loop"], 3),
             timed("`Trainer.fit` against a hand loop fed by `DataStream.prefetch()`",
@@ -429,7 +432,7 @@ def paper() -> str:
         return b[key] / r[key]
 
     def at_least(what: str, value: float, bound: float = 60.7) -> tuple:
-        return what, x(value, 1), f"at least {bound}x", value >= bound
+        return limit(what, value, bound, most=False, digits=1)
 
     tables = [table(head, [
         [n, *(f"{g[n][k] / MB:.2f}" for k in parts), f"{g[n]['total'] / MB:.1f}",
