@@ -1,10 +1,12 @@
 """Compile-only GPU targets: `memory_report`, `plan` and the command line for a GPU that this
 machine does not have (`eqx_lowmem.memory.Target`)."""
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -237,3 +239,12 @@ def test_a_residual_chunk_loop_holds_one_buffer_for_both_gradients_on_a_gpu():
         for f in (one_leaf, two_leaves)
     }  # fmt: skip
     assert temp["two_leaves"] - temp["one_leaf"] >= 0.95 * n * d * 4, temp
+
+
+def test_a_gpus_name_is_what_its_device_reported_where_one_was_measured():
+    # `benchmarks/results/gpu.json` was written on an H200: its `device_kind` there.
+    from eqx_lowmem.memory._target import GPUS
+
+    record = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu.json"
+    device = json.loads(record.read_text())["environment"]["device"]
+    assert GPUS["h200"].description == device == "NVIDIA H200"
