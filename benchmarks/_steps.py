@@ -20,6 +20,7 @@ import optax
 from _common import compiled_memory, encoder
 
 import eqx_lowmem as el
+from eqx_lowmem.memory._target import GPUS
 
 LM_LOSS = {"vocab": 32_000, "d_model": 512, "layers": 2, "heads": 8, "d_ff": 2048, "remat": True,
            "batch": 8, "seq": 256}  # fmt: skip
@@ -54,11 +55,6 @@ SPARSE = {
 SPARSE_MLP = {"width": 1024, "layers": 3, "batch": 128, "density": 0.3, "slack": 0.1}
 MAX_SKIPPED = 30  # overflowing updates a dynamic loss scale may skip before the first good one
 SMOKE_REPORTS = ("guide/none",)  # the smoke run's one memory report (each is one more compile)
-
-# The compile-only target of each device kind a GPU may report (`device_kind`).
-_KINDS = {"H100 80GB": "h100", "H100 PCIe": "h100-pcie", "H200": "h200", "A100-SXM4-40GB":
-          "a100-40gb", "A100-SXM4-80GB": "a100-80gb", "L4": "l4", "A10G": "a10g",
-          "RTX 4090": "rtx4090", "V100": "v100"}  # fmt: skip
 
 
 class MaskedLinear(eqx.Module):
@@ -311,8 +307,8 @@ def _report(shapes, optimizer, batch, accumulate) -> dict:
            "predicted": int(getattr(report, trusted)), "compile_only_peak_bytes": None,
            "attention": report.config.get("attention")}  # fmt: skip
     if jax.default_backend() == "gpu":
-        kind = jax.devices()[0].device_kind
-        target = next((t for k, t in _KINDS.items() if k in kind), None)
+        kind = jax.devices()[0].device_kind  # the compile-only target named as this device
+        target = next((t for t, g in GPUS.items() if g.description == kind), None)
         if target is not None:
             gpu = el.memory.memory_report(*args, accumulate=accumulate, target=target)
             out["compile_only_peak_bytes"] = int(gpu.peak_bytes)
