@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 
 import eqx_lowmem as el
+from eqx_lowmem.train._state import split
 
 from .helpers import compile_as_users, tree_allclose
 
@@ -197,6 +198,22 @@ def test_a_step_without_a_loss_scale_compiles_no_constant_scale_metric(getkey):
         _, metrics = step(state, (x, jnp.zeros((4, 1))))
         assert isinstance(metrics["loss_scale"], jax.Array)
         assert float(metrics["loss_scale"]) == scale
+
+
+def test_packed_metrics_are_the_calls_metrics_in_one_float32_vector(getkey):
+    # The Trainer's way to read them (`call_split(..., packed=True)`): one output and one
+    # transfer an update, in `metric_names`' order, equal to the dict a call returns.
+    model, x = el.nn.mlp([2, 4, 1], key=getkey()), jr.normal(getkey(), (4, 2))
+    batch = (x, jnp.zeros((4, 1)))
+    for options in ({}, {"precision": "mixed_fp16"}, {"skip_nonfinite": True}):
+        step = el.train.make_step(el.train.mse, optax.adam(0.1), **options)
+        key = getkey()
+        _, metrics = step(step.init(model, key=key), batch)
+        dynamic, static = split(step.init(model, key=key))  # the same state again
+        _, packed = step.call_split(dynamic, static, batch, packed=True)
+        assert packed.dtype == jnp.float32 and set(step.metric_names) == set(metrics)
+        dict_values = [float(metrics[k]) for k in step.metric_names]
+        np.testing.assert_array_equal(np.asarray(packed), np.float32(dict_values))
 
 
 def test_skip_nonfinite_is_refused_off_with_a_loss_scale_and_of_the_wrong_type():
