@@ -5,11 +5,12 @@ Each row compiles a training step on abstract shapes and records `memory_analysi
 
 - `guide/*`: the guide's transformer (12 blocks, d_model 512, 8 heads, d_ff 2048, seq 256,
   batch 32, MSE, SGD) under each remat preset, scanned and as a Python loop, segments,
-  accumulation, mixed bf16, and plain Equinox (`lax.scan`, body in `eqx.filter_checkpoint`).
+  accumulation, mixed bf16, and plain Equinox (`lax.scan`, body in `eqx.filter_checkpoint`)
+  (`speed.py`'s `guide/*` time the rows of the same names at 4 blocks of width 128, batch 8).
 - `precision/*`: each precision preset on the guide's transformer: what the backward pass
   keeps (traced) and the bytes of parameters plus Adam's state (abstract shapes).
 - `accumulate/*`: the accumulation benchmark's transformer (2 blocks, d_model 256, batch 32)
-  whole and in k micro-batches.
+  whole and in k micro-batches (`speed.py`'s `accumulate/*` time k = 1 and 4).
 - `shard/*`: a 4-block encoder with Adam, replicated against FSDP over 2, 4 and 8 host
   devices (in a worker process started with 8 of them).
 - `sparse/*`: sparse storage (issue 11) on an MLP of three 1024x1024 layers and a 10-way
