@@ -23,8 +23,9 @@ _CHUNK = 16384
 # against 180 microseconds for 6400 elements, 165 against 172 for 16384).
 _STORED = _CHUNK
 # Bounded shuffle: blocks of `shuffle_buffer // _BLOCKS_PER_BUFFER` contiguous samples. On
-# 60,000 samples sorted into 10 classes with a buffer of 1000, batches of 32 hold 9.53
-# distinct classes with blocks of 7, 9.35 with blocks of 15, 9.66 for a full shuffle.
+# 60,000 samples sorted into 10 classes with a buffer of 1000, batches of 32 hold 9.54
+# distinct classes with blocks of 7, 9.66 for a full shuffle (`memory_and_data.json`'s
+# `mixing`); blocks of 15 held 9.35 (2ed537c).
 _BLOCKS_PER_BUFFER = 128
 
 
