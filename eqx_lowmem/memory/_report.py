@@ -385,8 +385,8 @@ def memory_report(
     temporaries. With a `mesh`, every figure is per device.
 
     Memory and time: nothing is allocated on the device (unless `measure=True`); one
-    compilation of the step (seconds: the guide's 12-layer transformer compiles in 2-5 s on
-    two CPU cores) and one trace of a micro-batch's loss. On XLA:CPU a 16-bit compute dtype
+    compilation of the step (seconds on two CPU cores for the guide's 12-layer transformer)
+    and one trace of a micro-batch's loss. On XLA:CPU a 16-bit compute dtype
     compiles the step twice: once more computing in float32, for the GPU/TPU estimate.
 
     Recomputation (`remat`), the attention implementation and sparsity are properties of
