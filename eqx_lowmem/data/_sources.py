@@ -223,9 +223,10 @@ class SampleReader:
 
 # From this many bytes, a batch's arrays start on a 64-byte boundary, XLA:CPU's alignment:
 # `jax.device_put` (and a jitted step given the array) then uses the host array in place.
-# An array that does not start there is copied, and from about 128 KiB the copy is slow:
-# 256 KiB took 123 microseconds against 32 in place, 1 MiB 186 against 31, 4 MiB 630 against
-# 32; up to 96 KiB both took 32-35. The aligned allocation costs 5 microseconds.
+# An array that does not start there is copied, and from about 128 KiB the copy is slow
+# (measured for 423dbdc): 256 KiB took 123 microseconds against 32 in place, 1 MiB 186
+# against 31, 4 MiB 630 against 32; up to 96 KiB both took 32-35. The aligned allocation
+# costs 5 microseconds (also 423dbdc).
 _ALIGN_BYTES = 64 << 10
 
 
@@ -253,10 +254,10 @@ def copy_rows(array: np.ndarray) -> Callable[[int, int], np.ndarray]:
     return copy
 
 
-# From this many bytes gathered, `np.take` beats the gather of whole rows (below): 256 rows
-# of 3 KiB (784 float32) took 47 against 72 microseconds, 256 of 1 KiB 18 against 32; at
-# 64 KiB they were even, and below it the whole rows were faster (1 KiB x 32: 2.6 against
-# 3.3).
+# From this many bytes gathered, `np.take` beats the gather of whole rows (below; measured
+# for d68d487): 256 rows of 3 KiB (784 float32) took 47 against 72 microseconds, 256 of
+# 1 KiB 18 against 32; at 64 KiB they were even, and below it the whole rows were faster
+# (1 KiB x 32: 2.6 against 3.3).
 _TAKE_BYTES = 64 << 10
 
 
@@ -267,7 +268,8 @@ def row_gather(array: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     From `_TAKE_BYTES` gathered, `np.take` along the first axis into `empty_rows`. Below,
     for C-contiguous rows of several elements, it gathers a 1-D view whose elements are
     whole rows (one memcpy per row), which costs a third less than NumPy's general
-    fancy indexing on small rows (1 KiB: 1.1 against 1.45 microseconds a batch of 32).
+    fancy indexing on small rows (1 KiB: 1.1 against 1.45 microseconds a batch of 32,
+    measured for 2ed537c).
     """
     row_bytes = array.itemsize * math.prod(array.shape[1:])
     sample_shape, dtype = array.shape[1:], array.dtype

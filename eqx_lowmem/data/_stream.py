@@ -32,9 +32,10 @@ _ORDER = ("key", "batch_size", "shuffle_buffer", "drop_last", "samples")
 # A shuffled stream gathers batches of up to `_GROUP_BATCH_BYTES` (per process) in groups of
 # `_GROUP_BATCHES`, one gather per field into fresh arrays, and serves each batch as a slice
 # of them: it saves a gather call and an array per batch, 13-17% of an epoch of 1 KiB
-# samples in batches of 32. A served batch keeps its group (at most 256 KiB) alive. Larger
-# groups were slower (for f7b0d4f: 0.55x in-order at 512 KiB against 0.65x at 256 KiB), and
-# so were groups of batches of 128 KiB: the fresh arrays stop fitting in the L2 cache.
+# samples in batches of 32 (f7b0d4f). A served batch keeps its group (at most 256 KiB)
+# alive. Larger groups were slower (for f7b0d4f: 0.55x in-order at 512 KiB against 0.65x at
+# 256 KiB), and so were groups of batches of 128 KiB: the fresh arrays stop fitting in the
+# L2 cache.
 _GROUP_BATCHES = 8
 _GROUP_BATCH_BYTES = 32 << 10
 
@@ -79,7 +80,7 @@ class DataStream:
     - `shuffle_buffer=None, key=k`: a fresh global permutation each epoch (arrays and
       memory maps only). Memory: 16384 indices, tables of `O(sqrt(N))` integers (at most
       3 MiB) and one group of batches (below). Time: about 15 to 30 ns of index work per
-      sample, one gather per group of batches.
+      sample (measured for f7b0d4f), one gather per group of batches.
     - `shuffle_buffer=n, key=k`: bounded. For arrays and memory maps, blocks of
       `max(1, n // 128)` contiguous samples in random order, shuffled `n` indices at a
       time. Memory: about `max(n, 16384)` indices and one group of batches. Time: as the
@@ -93,17 +94,17 @@ class DataStream:
     decides; putting them back in shuffled order would cost a second copy of every batch).
     Batches of up to 32 KiB (this process's part, all fields) are read 8 at a time, one
     gather per field into one fresh array, and served as slices of it (an epoch of batches
-    of 32 samples of 1 KiB is about 15% faster). A batch so served keeps its group's
-    arrays (at most 256 KiB) alive while it is held; larger batches are read one at a time
-    into arrays of their own. An array of 64 KiB or more starts on a 64-byte boundary: on
-    the CPU backend `jax.device_put` (and a jitted step) then uses it in place instead of
-    copying it (a copy of 256 KiB took 123 us, 1 MiB 186 us). The global order is a keyed
-    pseudo-random permutation (a Feistel network; up to 16384 samples, a stored one)
-    computed a chunk of positions at a time, so it needs no O(N) memory and a stream can
-    start anywhere in it. The bounded order mixes about `n` samples at a time from about
-    128 blocks spread over the whole dataset: on 60,000 samples stored sorted into 10
-    classes, batches of 32 with `n=1000` hold 9.5 distinct classes, against 9.66 for a full
-    shuffle and 1.6 for a sliding buffer of 1000 samples.
+    of 32 samples of 1 KiB is about 15% faster, measured for f7b0d4f). A batch so served
+    keeps its group's arrays (at most 256 KiB) alive while it is held; larger batches are
+    read one at a time into arrays of their own. An array of 64 KiB or more starts on a
+    64-byte boundary: on the CPU backend `jax.device_put` (and a jitted step) then uses it
+    in place instead of copying it (a copy of 256 KiB took 123 us, 1 MiB 186 us: 423dbdc).
+    The global order is a keyed pseudo-random permutation (a Feistel network; up to 16384
+    samples, a stored one) computed a chunk of positions at a time, so it needs no O(N)
+    memory and a stream can start anywhere in it. The bounded order mixes about `n`
+    samples at a time from about 128 blocks spread over the whole dataset: on 60,000
+    samples stored sorted into 10 classes, batches of 32 with `n=1000` hold 9.5 distinct
+    classes, against 9.66 for a full shuffle and 1.6 for a sliding buffer of 1000 samples.
 
     For iterators, `shuffle_buffer=n` keeps a buffer of `n` samples: each batch is drawn at
     random from it and its slots refilled from the iterator, in vectorised steps, and the

@@ -69,10 +69,11 @@ class TransformerBlock(eqx.Module):
       gradients and one chunk's working set, never the whole `(heads, seq, seq)`
       attention matrix, `(seq, d_ff)` hidden layer or sequence-long projections (a
       2-layer d_model-512 `CausalLM` on 8 x 256 tokens: 78.7 MB of temporaries instead
-      of 111.2 MB on XLA:CPU). Time: the query projection is computed once more than with
-      whole-sequence projections, and the products are a chunk's (that model's step on 2
-      CPU cores: 1.03-1.07x the whole-sequence block's, 1.00-1.03x with a 32,000-token
-      vocabulary's loss). The numbers are the same to rounding.
+      of 111.2 MB on XLA:CPU, measured for 76e6529). Time: the query projection is
+      computed once more than with whole-sequence projections, and the products are a
+      chunk's (that model's step on 2 CPU cores: 1.03-1.07x the whole-sequence block's,
+      1.00-1.03x with a 32,000-token vocabulary's loss: 9416f36). The numbers are the
+      same to rounding.
     - `"dots"`: keeps the projections (`qkv`, `attn_out`, `ffn_hidden`, `ffn_out`) and
       recomputes the norms, the activation and the attention matrix (cheap element-wise work
       and two small batched matmuls).

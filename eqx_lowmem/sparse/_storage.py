@@ -129,7 +129,7 @@ def positions_of(bits: Array, size: int, capacity: int) -> Array:
 # One flat position per slot. `lax.scatter` / `lax.gather` directly: `.at[]` would first
 # normalise negative indices (a select over every slot, which ours never need) and cast
 # to int32; measured on CPU at 1M weights and 346k slots, scatter 1.5 -> 1.1 ms, gather
-# 1.4 -> 0.7 ms.
+# 1.4 -> 0.7 ms (ea812f7).
 _SCATTER = jax.lax.ScatterDimensionNumbers(
     update_window_dims=(), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
 )
@@ -170,7 +170,7 @@ def _gather(flat: Array, indices: Array, capacity: int) -> Array:
 
         # A clear position writes to one extra slot (index `capacity`), dropped after: an
         # in-bounds scatter runs twice as fast on XLA:CPU as one that drops 70% of its
-        # updates (measured at 1M weights, 346k slots: 2.5 against 5.5 ms).
+        # updates (measured for 5c2fd69 at 1M weights, 346k slots: 2.5 against 5.5 ms).
         out = jnp.zeros((capacity + 1,), flat.dtype)
         return _walk(indices, flat.shape[0], capacity, put, out)[:capacity]
     return jax.lax.gather(flat, indices[:, None], _GATHER, (1,), mode=_DROP, fill_value=0)

@@ -142,7 +142,7 @@ def save_checkpoint(path: str | os.PathLike, tree: Any, meta: dict[str, Any]) ->
     written. `load_checkpoint` places each leaf back with its `like` leaf's sharding.
 
     Memory: one leaf on the host at a time. Time: one pass over the bytes (copy, CRC-32 at
-    about 1 GB/s, write) and an `fsync`.
+    about 1 GB/s as measured for dec9c32, write) and an `fsync`.
 
     Example:
         >>> import os, tempfile, jax.numpy as jnp

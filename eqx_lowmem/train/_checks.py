@@ -300,7 +300,8 @@ def check_model_accepts(
     """Trace one micro-batch (of `what`) through the loss before any work, for a clear
     error, after `check_data` on it (`check_values`; False where a check of all the data
     before its use covers it). `traced`: the (model, batch) shapes traced already (a later
-    `fit` of the same Trainer is not traced again: 15 ms on a small MLP), added to."""
+    `fit` of the same Trainer is not traced again: 15 ms on a small MLP, measured for
+    dd3bfd0), added to."""
     first = next(iter(peek(stream)), None)
     if first is None:
         raise ValueError(

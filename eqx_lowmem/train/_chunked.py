@@ -98,7 +98,7 @@ def _by_platform(vocab_way, token_way, *args):
       a step, the head's gradient written once per chunk, a fourth matmul (the logits
       again, once the log-sum-exp is known). On XLA:CPU the loss-and-gradient of the
       benchmark's head took 0.82x the naive loss's time against 1.04x by token steps (2
-      cores, side by side).
+      cores, side by side for 7fa9dde).
     - by token steps (`_token_steps`): whole rows of logits for a few tokens a step, the
       gradients in the same pass (the naive loss's three matmuls), the head's gradient
       summed into one buffer each step: on a GPU one matmul (cuBLAS's `beta = 1`)."""

@@ -95,11 +95,11 @@ def on_host(mesh: Mesh | None) -> bool:
 
 
 # On the CPU backend a wait for a running step takes CPU from its threads (about 0.25 ms
-# of host CPU each): there the metrics are read every `_HOST_LAG` updates after one wait,
-# or fewer where the batches in flight would pass `_HOST_LAG_BYTES` (an update in flight
-# holds its batch; its new state takes the donated buffers). MLP 784-512-512-10, batch 256
-# (4.5 ms a step): reading every 4 updates cost 72-80 us an update against never waiting,
-# every 16 nothing measurable.
+# of host CPU each, measured for 921daca): there the metrics are read every `_HOST_LAG`
+# updates after one wait, or fewer where the batches in flight would pass `_HOST_LAG_BYTES`
+# (an update in flight holds its batch; its new state takes the donated buffers). MLP
+# 784-512-512-10, batch 256 (4.5 ms a step): reading every 4 updates cost 72-80 us an
+# update against never waiting, every 16 nothing measurable (measured for a910f6e).
 _HOST_LAG = 16
 _HOST_LAG_BYTES = 64 << 20
 
