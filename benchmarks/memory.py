@@ -1,44 +1,29 @@
 """The memory grid: every compile-only figure, deterministic (nothing runs, nothing is timed).
 
 Each row compiles a training step on abstract shapes and records `memory_analysis()`
-(argument + output + temp - alias: what XLA allocates) or the memory report's parts:
+(argument + output + temp - alias: what XLA allocates) or the memory report's parts, on
+XLA:CPU and, in the `lm_loss/`, `optimizer_state/`, `paper/` and `frontier/` rows, for an
+H100 (a compile-only GPU target). `FULL` holds the sizes (`step/*`'s: `step_cases`):
 
-- `guide/*`: the guide's transformer (12 blocks, d_model 512, 8 heads, d_ff 2048, seq 256,
-  batch 32, MSE, SGD) under each remat preset, scanned and as a Python loop, segments,
-  accumulation, mixed bf16, and plain Equinox (`lax.scan`, body in `eqx.filter_checkpoint`)
-  (`speed.py`'s `guide/*` time the rows of the same names at 4 blocks of width 128, batch 8).
-- `precision/*`: each precision preset on the guide's transformer: what the backward pass
-  keeps (traced) and the bytes of parameters plus Adam's state (abstract shapes).
-- `accumulate/*`: the accumulation benchmark's transformer (2 blocks, d_model 256, batch 32)
-  whole and in k micro-batches (`speed.py`'s `accumulate/*` time k = 1 and 4).
-- `shard/*`: a 4-block encoder with Adam, replicated against FSDP over 2, 4 and 8 host
-  devices (in a worker process started with 8 of them).
-- `sparse/*`: sparse storage (issue 11) on an MLP of three 1024x1024 layers and a 10-way
-  head, batch 128, Adam, 30% density: ours (indices or a bit set, with DSR or not) against
-  dense, jaxpruner's masked dense weight and `jax.experimental.sparse`'s BCOO; parameters
-  plus Adam's state and the step's peak (`speed.py`'s `sparse/*` rows time the same steps).
-- `frontier/*`: each configuration of `quality.py --frontier`: its training step at batch
-  100 on XLA:CPU and for an H100.
-- `lm_loss/*`: the language-model loss's two paths (issue 36) on a 2-layer `CausalLM(remat=True)`
-  at a vocabulary of 32,000, d_model 512, 8 x 256 predicted tokens: the loss-and-gradient
-  with whole float32 logits (`naive`, `chunk=None`) and chunked (`chunked`, the default),
-  the body alone (`body`: vocabulary 128, which the chunked loss cannot go below), the
-  chunked loss with the blocks' rows in chunks of 32 (`chunked_rows32`; 64 by default) and
-  the head alone (`head`: hidden states in, loss out; its temporaries naive and chunked),
-  on XLA:CPU and for an H100 (`speed.py`'s `lm_loss/*` time the same). Goal: >= 10x fewer
-  temporaries.
-- `optimizer_state/*`: Adam's state in float32, 16 bits (`half_state`) and 8 bits
-  (`quantized_state`): its bytes a parameter and the compiled step's peak (`memory_report`)
-  on the guide's character LM (12 layers, d_model 512, seq 256, batch 32, full
-  recomputation), on XLA:CPU and for an H100 (`speed.py`'s `optimizer_state/*` time them on
-  a small one). Goal: <= 2.1 bytes a parameter in 8 bits.
-- `step/*`: the library's step (`make_step`) against the step a user writes by hand
-  (`hand_step`) on the same model, loss, batch and Adam, for an MLP 784-512-512-10 at batch
-  256, a small `CausalLM`, a small WideResNet and a 64-block recomputed encoder
-  (`step_cases`; `speed.py`'s `step_*` groups time them). Goal: library/hand <= 1.01.
-- `paper/*`: Sohoni et al. (2019)'s tables, each row a `memory_report` of the real step on
-  XLA:CPU and for an H100 (a compile-only GPU target): WRN-28-2 at batch 100 with momentum
-  SGD, and a 12-block causal LM with Adam (16 sequences of 250 tokens).
+- `guide/*`: the guide's transformer under each remat preset, scanned and as a Python loop,
+  segments, accumulation, mixed bf16, and plain Equinox (`lax.scan`, body in
+  `eqx.filter_checkpoint`) (`speed.py`'s `guide/*` time the rows of the same names at 4
+  blocks of width 128, batch 8); `precision/*`: each precision preset on it.
+- `accumulate/*`: the accumulation benchmark's transformer whole and in k micro-batches
+  (`speed.py`'s `accumulate/*` time k = 1 and 4).
+- `shard/*`: replicated against FSDP over 2, 4 and 8 host devices.
+- `sparse/*`: sparse storage (issue 11) against dense, jaxpruner's masked dense weight and
+  `jax.experimental.sparse`'s BCOO (`speed.py`'s `sparse/*` rows time the same steps).
+- `lm_loss/*`: the language-model loss's two paths (issue 36), whole float32 logits and
+  chunked (`speed.py`'s `lm_loss/*` time the same). Goal: >= 10x fewer temporaries.
+- `optimizer_state/*`: Adam's state in float32, 16 bits and 8 bits on the guide's character
+  LM (`speed.py`'s `optimizer_state/*` time them on a small one). Goal: <= 2.1 bytes a
+  parameter in 8 bits.
+- `step/*`: the library's step against the step a user writes by hand on the same model,
+  loss, batch and Adam (`speed.py`'s `step_*` groups time them). Goal: library/hand <= 1.01.
+- `paper/*`: Sohoni et al. (2019)'s tables: WRN-28-2 with momentum SGD, and a 12-block
+  causal LM with Adam.
+- `frontier/*`: each configuration of `quality.py --frontier`: its training step.
 
 `tests/test_memory_grid.py` (slow) compiles rows again and fails when the committed
 `results/memory_grid.json` no longer matches the code: rerun this script then.
@@ -97,17 +82,28 @@ from _steps import (  # noqa: E402
 
 import eqx_lowmem as el  # noqa: E402
 
-SHARD = {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 64, "batch": 32}
-WRN = {"depth": 28, "width": 2, "batch": 100, "image": (3, 32, 32)}
-LM = {"vocab": 10_000, "seq": 250, "batch": 16, "n_layers": 12, "d_model": 512, "n_heads": 4,
-      "d_ff": 1024}  # fmt: skip
+# Each group's sizes: the grid's, and the smoke run's (tiny; no H100 target). The shard
+# rows' batch: accumulate=2 on each of up to 8 devices.
+FULL = {
+    "guide": GUIDE, "accumulate": ACCUMULATE, "sparse": SPARSE_MLP, "lm_loss": LM_LOSS,
+    "optimizer_state": CHAR_LM_GUIDE, "frontier": quality.FRONTIER,
+    "shard": {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 64, "batch": 32},
+    "wrn": {"depth": 28, "width": 2, "batch": 100, "image": (3, 32, 32)},
+    "lm": {"vocab": 10_000, "seq": 250, "batch": 16, "n_layers": 12, "d_model": 512,
+           "n_heads": 4, "d_ff": 1024},
+}  # fmt: skip
+_TINY = {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_ff": 32, "seq": 8, "batch": 8}
 SMOKE = {
-    "guide": {"n_layers": 2, "d_model": 16, "n_heads": 2, "d_ff": 32, "seq": 8, "batch": 8},
+    "guide": _TINY, "accumulate": _TINY, "sparse": {**SPARSE_MLP, "width": 32, "batch": 8},
+    "lm_loss": LM_LOSS_SMOKE, "optimizer_state": CHAR_LM_SMALL,
+    "frontier": quality.FRONTIER_QUICK, "shard": {**_TINY, "batch": 16},
     "wrn": {"depth": 10, "width": 1, "batch": 10, "image": (3, 8, 8)},
     "lm": {"vocab": 64, "seq": 16, "batch": 4, "n_layers": 2, "d_model": 32, "n_heads": 2,
            "d_ff": 64},
 }  # fmt: skip
-# name: (vocabulary, None for LM_LOSS's; the loss's chunk; the blocks' chunk_size), or the head
+# name: (vocabulary, None for LM_LOSS's; the loss's chunk, None for whole float32 logits;
+# the blocks' chunk_size, 64 by "auto"), or the head alone (hidden states in, loss out: its
+# temporaries naive and chunked). The body's 128 is the least the chunked loss allows.
 LM_LOSS_ROWS = {"naive": (None, None, "auto"), "chunked": (None, "auto", "auto"),
                 "chunked_rows32": (None, "auto", 32), "body": (128, None, "auto"),
                 "head": ()}  # fmt: skip
@@ -132,7 +128,6 @@ PRECISIONS = ("float32", "mixed_bf16", "mixed_fp16", "half_bf16", "half_fp16")
 # ("group", "group_ws": WideResNet's; BatchNorm by default).
 # FP32 and the paper's combination: the frontier's own options (`quality.py`).
 _FP32 = {**quality._FP32, "accumulate_dtype": "float32"}
-_FP16_CHECKPOINT = {**_FP32, "precision": "half_fp16", "remat": "checkpoint-residual-1"}
 _COMBINED = quality._COMBINED
 # What keeps the frontier's accuracy at one image (issue 36): GroupNorm + WS, dense.
 _GNWS = {**_COMBINED, "accumulate": 100, "density": None, "norm": "group_ws"}
@@ -142,7 +137,7 @@ PAPER_WRN = {
     "checkpoint": {**_FP32, "remat": "checkpoint-residual-1"},
     "micro10": {**_FP32, "accumulate": 10},
     "sparse30": {**_FP32, "density": 0.3},
-    "fp16_checkpoint": _FP16_CHECKPOINT,
+    "fp16_checkpoint": {**_FP32, "precision": "half_fp16", "remat": "checkpoint-residual-1"},
     "fp16_checkpoint_micro10": {**_COMBINED, "density": None},
     "fp16_checkpoint_micro10_sparse30": _COMBINED,
     "fp16_checkpoint3_micro10_sparse30": {**_COMBINED, "remat": "checkpoint-residual-3"},
@@ -165,6 +160,14 @@ PAPER_LM = {
 def _shapes(cfg: dict) -> tuple:
     x = jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"], cfg["d_model"]), jnp.float32)
     return x, x
+
+
+def _with_gpu(figures, gpu: bool) -> dict:
+    """The row `figures(None)` (XLA:CPU's) and, where `gpu`, `figures(target)` for an H100."""
+    row = figures(None)
+    if gpu:
+        row[GPU_TARGET] = figures(el.memory.Target(GPU_TARGET))
+    return row
 
 
 def guide_row(cfg: dict, opts: dict) -> dict:
@@ -243,26 +246,10 @@ def sparse_row(cfg: dict, name: str) -> dict:
     return {**memory, "params_opt_bytes": sum(int(a.nbytes) for a in stored)}
 
 
-def _report_row(report_for, gpu: bool) -> dict:
-    """A paper row: the report's parts on XLA:CPU and its compiled figures for an H100."""
-    r = report_for(None)
-    s, at_peak = r.sizes, r.at_peak or {}
-    row = {"model": s["parameters"], "gradients": s["gradients"] + s["accumulator"]}
-    row |= {k: s[k] for k in ("optimizer", "activations", "batch")}
-    row.update(total=int(r.peak_bytes), sum_of_parts=int(sum(row.values())), at_peak=at_peak,
-               live_at_peak=r.live_peak_bytes, packing=r.packing_bytes,
-               backend_upcast_bytes=at_peak.get("upcasts", 0))  # fmt: skip
-    if gpu:
-        g = report_for(GPU_TARGET)
-        row[GPU_TARGET] = {"total": int(g.peak_bytes), "at_peak": g.at_peak,
-                           "live_at_peak": g.live_peak_bytes, "device": g.device}  # fmt: skip
-    return row
-
-
-def paper_row(name: str, smoke: bool) -> dict:
-
+def paper_row(cfg: dict, name: str, gpu: bool) -> dict:
+    """A paper row: the memory report's parts on XLA:CPU and (`gpu`) its compiled figures
+    for an H100."""
     if name in PAPER_WRN:
-        cfg = SMOKE["wrn"] if smoke else WRN
         o = PAPER_WRN[name]
         precision, accumulate, acc_dtype = o["precision"], o["accumulate"], o["accumulate_dtype"]
         accumulate = min(accumulate, cfg["batch"])  # the smoke batch: micro-batches of one
@@ -276,7 +263,6 @@ def paper_row(name: str, smoke: bool) -> dict:
         args = (model, wrn_loss, optimizer, batch)
         extra = {"has_state": True, "model_state": state}
     else:
-        cfg = SMOKE["lm"] if smoke else LM
         precision, remat, accumulate, acc_dtype = PAPER_LM[name]
         accumulate = cfg["batch"] if accumulate == "per_sequence" else accumulate
         model = el.nn.CausalLM(*(cfg[k] for k in ("vocab", "seq", "n_layers", "d_model",
@@ -285,40 +271,46 @@ def paper_row(name: str, smoke: bool) -> dict:
         batch = (jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"] + 1), jnp.int32),)
         args, extra = (model, el.train.next_token_loss, optax.adam(1e-3), batch), {}
 
-    def report(target):
-        return el.memory.memory_report(*args, accumulate=accumulate, precision=precision,
-                                       accumulate_dtype=jnp.dtype(acc_dtype), name=name,
-                                       target=target, **extra)  # fmt: skip
+    def figures(target) -> dict:
+        r = el.memory.memory_report(*args, accumulate=accumulate, precision=precision,
+                                    accumulate_dtype=jnp.dtype(acc_dtype), name=name,
+                                    target=target, **extra)  # fmt: skip
+        if target is not None:
+            return {"total": int(r.peak_bytes), "at_peak": r.at_peak,
+                    "live_at_peak": r.live_peak_bytes, "device": r.device}  # fmt: skip
+        s, at_peak = r.sizes, r.at_peak or {}
+        row = {"model": s["parameters"], "gradients": s["gradients"] + s["accumulator"]}
+        row |= {k: s[k] for k in ("optimizer", "activations", "batch")}
+        row.update(total=int(r.peak_bytes), sum_of_parts=int(sum(row.values())), at_peak=at_peak,
+                   live_at_peak=r.live_peak_bytes, packing=r.packing_bytes,
+                   backend_upcast_bytes=at_peak.get("upcasts", 0))  # fmt: skip
+        return row
 
-    return _report_row(report, gpu=not smoke)
-
-
-def _placed(shape: tuple, dtype, target):
-    """Zeros of `shape`, or for a compile-only `target` the shape on its device."""
-    if target is None:
-        return jnp.zeros(shape, dtype)
-    sharding = jax.sharding.SingleDeviceSharding(target.devices_of_topology()[0])
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return _with_gpu(figures, gpu)
 
 
 def _compiled(fn, args, target) -> dict:
-    """`compiled_memory` of `jax.jit(fn)` at `args`, for `target` when given (cuBLAS for
-    the products whose Triton tiles need the device)."""
+    """`compiled_memory` of `jax.jit(fn)` at `args`, for `target` when given (`args` on its
+    device; cuBLAS for the products whose Triton tiles need the device)."""
     from eqx_lowmem.memory._compile import NO_TRITON_GEMM
 
-    lowered = jax.jit(fn).lower(*args)
-    options = None if target is None else {**target.options(), **NO_TRITON_GEMM}
-    return compiled_memory(lowered.compile(compiler_options=options))
+    options = None
+    if target is not None:
+        device = jax.sharding.SingleDeviceSharding(target.devices_of_topology()[0])
+        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+                            args)  # fmt: skip
+        options = {**target.options(), **NO_TRITON_GEMM}
+    return compiled_memory(jax.jit(fn).lower(*args).compile(compiler_options=options))
 
 
 def lm_loss_memory(c: dict, name: str, target=None) -> dict:
-    """`LM_LOSS_ROWS[name]`'s loss-and-gradient memory at `c`'s size (see the docstring)."""
+    """`LM_LOSS_ROWS[name]`'s loss-and-gradient memory at `c`'s size, for `target` if given."""
     from eqx_lowmem.train._chunked import DEFAULT_CHUNK
 
     n, d, v = c["batch"] * c["seq"], c["d_model"], c["vocab"]
     if name == "head":
         shapes = ((n, d, jnp.float32), (v, d, jnp.float32), (v, jnp.float32), (n, jnp.int32))
-        args = tuple(_placed(s[:-1], s[-1], target) for s in shapes)
+        args = tuple(jax.ShapeDtypeStruct(s[:-1], s[-1]) for s in shapes)
 
         def naive(h, w, b, t):
             logp = jax.nn.log_softmax(h @ w.T + b[None, :], axis=-1)
@@ -335,43 +327,36 @@ def lm_loss_memory(c: dict, name: str, target=None) -> dict:
     model = el.nn.CausalLM(vocab or v, c["seq"], c["layers"], d, c["heads"], c["d_ff"],
                            key=jr.key(0), remat=c["remat"], chunk_size=rows)  # fmt: skip
     arrays, static = eqx.partition(model, eqx.is_array)
-    arrays = jax.tree.map(lambda a: _placed(a.shape, a.dtype, target), arrays)
-    tokens = _placed((c["batch"], c["seq"] + 1), jnp.int32, target)
+    tokens = jax.ShapeDtypeStruct((c["batch"], c["seq"] + 1), jnp.int32)
 
-    def grad(arrays, tokens):
-        return jax.value_and_grad(lambda a: lm_mean_loss(eqx.combine(a, static), tokens, chunk))(
-            arrays
-        )
+    def loss(arrays, tokens):
+        return lm_mean_loss(eqx.combine(arrays, static), tokens, chunk)
 
-    return _compiled(grad, (arrays, tokens), target)
+    return _compiled(jax.value_and_grad(loss), (arrays, tokens), target)
 
 
-def lm_loss_row(name: str, smoke: bool) -> dict:
-    """An `lm_loss/*` row: on XLA:CPU and (not `smoke`) for an H100."""
-    c = LM_LOSS_SMOKE if smoke else LM_LOSS
-    row = lm_loss_memory(c, name)
-    if not smoke:
-        row[GPU_TARGET] = lm_loss_memory(c, name, el.memory.Target(GPU_TARGET))
-    return row
+def lm_loss_row(c: dict, name: str, gpu: bool) -> dict:
+    """An `lm_loss/*` row: on XLA:CPU and (`gpu`) for an H100."""
+    return _with_gpu(lambda target: lm_loss_memory(c, name, target), gpu)
 
 
-def optimizer_state_row(variant: str, smoke: bool) -> dict:
+def optimizer_state_row(cfg: dict, variant: str, gpu: bool) -> dict:
     """An `optimizer_state/*` row: the state's bytes a parameter and the step's report."""
-    model = char_lm(CHAR_LM_SMALL if smoke else CHAR_LM_GUIDE, jr.PRNGKey(0), remat="full")
-    cfg, params = CHAR_LM_SMALL if smoke else CHAR_LM_GUIDE, eqx.filter(model, eqx.is_inexact_array)
+    model = char_lm(cfg, jr.PRNGKey(0), remat="full")
+    params = eqx.filter(model, eqx.is_inexact_array)
     state = jax.eval_shape(OPTIMIZERS[variant]().init, params)
     stored = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     batch = (jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"] + 1), jnp.int32),)
 
-    def report(target):
+    def report(target) -> dict:
         r = el.memory.memory_report(model, char_loss, OPTIMIZERS[variant](), batch,
                                     target=target).to_dict()  # fmt: skip
         return {"peak_bytes": r["peak_bytes"], "optimizer_bytes": r["parts"]["optimizer"],
                 "argument_bytes": r["compiled"]["argument"], "temp_bytes": r["compiled"]["temp"],
                 "device": r["device"]}  # fmt: skip
 
-    row = {"bytes_per_param": stored / sum(x.size for x in jax.tree.leaves(params)), **report(None)}
-    return row if smoke else row | {GPU_TARGET: report(GPU_TARGET)}
+    per_param = stored / sum(x.size for x in jax.tree.leaves(params))
+    return {"bytes_per_param": per_param, **_with_gpu(report, gpu)}
 
 
 def step_row(case: str) -> dict:
@@ -385,11 +370,10 @@ def step_row(case: str) -> dict:
             "hand": compiled_memory(hand.compile())}  # fmt: skip
 
 
-def frontier_row(name: str, smoke: bool) -> dict:
+def frontier_row(cfg: dict, name: str, gpu: bool) -> dict:
     """A frontier configuration's training step (`quality.py --frontier`) at its batch,
     compiled for XLA:CPU and for an H100 (there without DSR's rewiring hook, whose host
     callback compiles only for a backend this process runs)."""
-    cfg = {**(quality.FRONTIER_QUICK if smoke else quality.FRONTIER)}
     batch = (jax.ShapeDtypeStruct((cfg["batch"], 1, 28, 28), jnp.float32),
              jax.ShapeDtypeStruct((cfg["batch"],), jnp.int32))  # fmt: skip
 
@@ -399,29 +383,31 @@ def frontier_row(name: str, smoke: bool) -> dict:
         return compiled_memory(step.lower(state, batch).compile())["peak"]
 
     opts = quality.ALL_CONFIGS[name]
+    opts = {**opts, "accumulate": min(opts["accumulate"], cfg["batch"])}  # the smoke batch
     row = {"peak": peak(opts)}
-    if not smoke:
-        gpu = el.memory.Target(GPU_TARGET)
-        row[GPU_TARGET] = peak({**opts, "rewire": False}, gpu.mesh((1,), ("data",)))
+    if gpu:
+        gpu_mesh = el.memory.Target(GPU_TARGET).mesh((1,), ("data",))
+        row[GPU_TARGET] = peak({**opts, "rewire": False}, gpu_mesh)
     return row
 
 
 def rows(smoke: bool) -> dict:
     """Every row's name and the call that computes it (shard's: all its rows at once)."""
-    guide = SMOKE["guide"] if smoke else GUIDE
-    acc = SMOKE["guide"] if smoke else ACCUMULATE
-    out = {n: (guide_row, guide, o) for n, o in GUIDE_ROWS.items()}
-    out |= {f"precision/{p}": (precision_row, guide, p) for p in PRECISIONS}
-    out |= {f"accumulate/k{k}": (guide_row, acc, {"accumulate": k}) for k in (1, 2, 4, 8)}
-    # The shard rows' batch: accumulate=2 on each of up to 8 devices.
-    out["shard/"] = (shard_rows, {**SMOKE["guide"], "batch": 16} if smoke else SHARD)
-    mlp = {**SPARSE_MLP, "width": 32, "batch": 8} if smoke else SPARSE_MLP
-    out |= {f"sparse/{n}": (sparse_row, mlp, n) for n in SPARSE}
-    out |= {f"lm_loss/{n}": (lm_loss_row, n, smoke) for n in LM_LOSS_ROWS}
-    out |= {f"optimizer_state/{n}": (optimizer_state_row, n, smoke) for n in OPTIMIZERS}
+    size, gpu = (SMOKE, False) if smoke else (FULL, True)
+    out = {n: (guide_row, size["guide"], o) for n, o in GUIDE_ROWS.items()}
+    out |= {f"precision/{p}": (precision_row, size["guide"], p) for p in PRECISIONS}
+    out |= {f"accumulate/k{k}": (guide_row, size["accumulate"], {"accumulate": k})
+            for k in (1, 2, 4, 8)}  # fmt: skip
+    out["shard/"] = (shard_rows, size["shard"])
+    out |= {f"sparse/{n}": (sparse_row, size["sparse"], n) for n in SPARSE}
+    out |= {f"lm_loss/{n}": (lm_loss_row, size["lm_loss"], n, gpu) for n in LM_LOSS_ROWS}
+    out |= {f"optimizer_state/{n}": (optimizer_state_row, size["optimizer_state"], n, gpu)
+            for n in OPTIMIZERS}  # fmt: skip
     out |= {f"step/{n}": (step_row, n) for n in STEP_CASES}
-    out |= {f"paper/{n}": (paper_row, n, smoke) for n in (*PAPER_WRN, *PAPER_LM)}
-    return out | {f"frontier/{n}": (frontier_row, n, smoke) for n in quality.ALL_CONFIGS}
+    out |= {f"paper/{n}": (paper_row, size["wrn"], n, gpu) for n in PAPER_WRN}
+    out |= {f"paper/{n}": (paper_row, size["lm"], n, gpu) for n in PAPER_LM}
+    return out | {f"frontier/{n}": (frontier_row, size["frontier"], n, gpu)
+                  for n in quality.ALL_CONFIGS}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
