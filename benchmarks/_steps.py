@@ -20,6 +20,7 @@ import optax
 from _common import compiled_memory, encoder
 
 import eqx_lowmem as el
+from eqx_lowmem.memory._inspect import tree_bytes
 from eqx_lowmem.memory._target import GPUS
 
 LM_LOSS = {"vocab": 32_000, "d_model": 512, "layers": 2, "heads": 8, "d_ff": 2048, "remat": True,
@@ -250,18 +251,10 @@ def step_cases(scale: int = 1) -> dict:
 # ------------------------------------------------------------------------------ runners
 
 
-def _ready(tree) -> None:
-    jax.block_until_ready(eqx.filter(tree, eqx.is_array))
-
-
 def _batch(cfg: dict, key):
     kx, ky = jr.split(key)
     shape = (cfg["batch"], cfg["seq"], cfg["d_model"])
     return jr.normal(kx, shape), jr.normal(ky, shape)
-
-
-def _tree_bytes(tree) -> int:
-    return sum(int(a.nbytes) for a in jax.tree.leaves(tree) if eqx.is_array(a))
 
 
 def _step_runner(step, state, batch, host: bool = False):
@@ -276,7 +269,7 @@ def _step_runner(step, state, batch, host: bool = False):
         }
     t0 = time.perf_counter()
     state, metrics = step(state, batch)
-    _ready(state)
+    jax.block_until_ready(state)
     info["first_call_s"], skipped = time.perf_counter() - t0, 0
     while not bool(metrics["finite"]) and skipped < MAX_SKIPPED:
         skipped += 1
@@ -355,7 +348,7 @@ def multisteps(name: str, spec: dict, sizes: dict):
     loss = float(update())
     if loss != loss:
         raise FloatingPointError("MultiSteps' first update is not finite")
-    return update, {"loss": loss, "opt_state_bytes": _tree_bytes(box[1])}
+    return update, {"loss": loss, "opt_state_bytes": tree_bytes(box[1])}
 
 
 def stream(name: str, spec: dict, sizes: dict):
@@ -363,17 +356,15 @@ def stream(name: str, spec: dict, sizes: dict):
     `DataStream` over `.npy` memory maps with `prefetch` (or the Trainer over it)."""
 
     cfg, n = sizes["transformer"], sizes["stream_samples"]
-    b, shape = cfg["batch"], (cfg["seq"], cfg["d_model"])
-    rng, tmp = np.random.default_rng(0), tempfile.mkdtemp(prefix="speed_stream_")
-    paths = []
-    for part in ("x", "y"):
-        paths.append(str(Path(tmp) / f"{part}.npy"))
-        np.save(paths[-1], rng.standard_normal((n, *shape), np.float32))
+    b, rng, tmp = cfg["batch"], np.random.default_rng(0), tempfile.mkdtemp(prefix="speed_stream_")
+    x, y = (rng.standard_normal((n, cfg["seq"], cfg["d_model"]), np.float32) for _ in "xy")
+    paths = (str(Path(tmp) / "x.npy"), str(Path(tmp) / "y.npy"))
+    np.save(paths[0], x)
+    np.save(paths[1], y)
     step = el.train.make_step(el.train.mse, optax.sgd(0.01))
     holder = [step.init(encoder(cfg, jr.PRNGKey(0)), key=jr.PRNGKey(1))]
-    data = el.data.DataStream(tuple(paths), batch_size=b, key=0, drop_last=True)
+    data = el.data.DataStream(paths, batch_size=b, key=0, drop_last=True)
     if spec["source"] == "resident":
-        x, y = (np.load(p) for p in paths)
         resident = [jax.device_put((x[i : i + b], y[i : i + b])) for i in range(0, n - b + 1, b)]
     if "trainer" in spec:
         trainer = el.train.Trainer(encoder(cfg, jr.PRNGKey(0)), el.train.mse, optax.sgd(0.01),
@@ -382,10 +373,10 @@ def stream(name: str, spec: dict, sizes: dict):
     def update():  # one epoch; the figures are per batch (`per_call`)
         if "trainer" in spec:
             trainer.fit(epochs=1, key=jr.PRNGKey(1), stream=data)
-            return _ready(trainer.state)
+            return jax.block_until_ready(trainer.state)
         for batch in resident if spec["source"] == "resident" else data.prefetch(depth=2):
             holder[0], _ = step(holder[0], batch)
-        _ready(holder[0])
+        jax.block_until_ready(holder[0])
 
     weakref.finalize(update, shutil.rmtree, tmp, ignore_errors=True)  # its files: with it
     update()  # compiles
@@ -450,8 +441,7 @@ def step(name: str, spec: dict, sizes: dict):
     run, box = hand_loop(model, loss, optimizer)
     hand_update = lambda: run([batch])  # noqa: E731
     if spec["hand"]:
-        loss_value = float(hand_update())
-        return _repeated(hand_update, {"loss": loss_value})
+        return _repeated(hand_update, {"loss": float(hand_update())})
     library = el.train.make_step(loss, optimizer)
     state, _ = library(library.init(model, key=jr.PRNGKey(2)), batch)
     hand_update()
@@ -507,7 +497,7 @@ def fit(name: str, spec: dict, sizes: dict):
 
         def epoch():
             trainer.fit(xs, ys, epochs=1, micro_batch=b, key=jr.PRNGKey(1))
-            _ready(trainer.state)
+            jax.block_until_ready(trainer.state)
 
     epoch()  # compiles
     return epoch, {"per_call": updates}
@@ -539,10 +529,10 @@ def wrn(name: str, spec: dict, sizes: dict):
     w = sizes["wrn"]
     model_key, data_key = jr.split(jr.PRNGKey(0))
     model, bn = wide_resnet(spec, w["depth"], w["width"], model_key)
-    options = {"accumulate": spec["accumulate"], "precision": spec["precision"]}
+    options = {"accumulate": spec.get("accumulate", 1), "precision": spec.get("precision")}
     step = el.train.make_step(wrn_loss, optax.sgd(0.1, momentum=0.9), has_state=True, **options)
     state = step.init(model, key=jr.PRNGKey(1), model_state=bn)
     kx, ky = jr.split(data_key)
     images = jr.randint(kx, (w["batch"], 3, w["image"], w["image"]), 0, 256).astype("uint8")
     update, info = _step_runner(step, state, (images, jr.randint(ky, (w["batch"],), 0, 10)))
-    return update, {**info, "parameter_bytes": _tree_bytes(state.model)}
+    return update, {**info, "parameter_bytes": tree_bytes(state.model)}

@@ -7,25 +7,16 @@ outside the timer, burns in and times updates synchronised with `jax.block_until
 - `--device gpu` (a run of at most 8 minutes): the guide's sizes, each configuration in a
   process of its own with `XLA_PYTHON_CLIENT_PREALLOCATE=false`, so that
   `device.memory_stats()["peak_bytes_in_use"]` is its peak; the memory report's prediction
-  beside it (goal: within 5%). The kinds whose goals are time ratios and whose memory is
-  the compiler's (`SIDE_BY_SIDE`: steps, `fit`, the LM loss) run as on a CPU instead, a
-  group in one process, side by side. Writes `results/gpu.json`.
+  beside it (goal: within 5%). The `SIDE_BY_SIDE` kinds run as on a CPU instead. Writes
+  `results/gpu.json`.
 - `--device cpu`: reduced sizes; each group's configurations in one process, timed in
   rounds that alternate their order (ABBA), a ratio the median of per-round ratios: the
   drift of a shared machine cancels. Writes `results/speed.json`.
 - `--smoke`: every configuration at tiny sizes in one process (a check of the script).
 
-Groups (`CONFIGS`, each against its `BASELINES` row; goals in `GOALS`): `guide/*` (the guide's
-encoder under each remat preset, segments, micro-batches, mixed bf16 and plain Equinox's
-checkpointed scan: the rows of `memory.py`'s `guide/*` of the same names), `accumulate/*`
-(4 micro-batches against the whole batch and against `optax.MultiSteps`), `stream/*` (a
-prefetched `DataStream` over `.npy` memory maps; the Trainer's data check), `lm_loss/*` (the
-LM loss, whole logits or chunked), `sparse/*` (sparse storage on an MLP), `paper/*`
-(WRN-28-2: FP32, FP16 + checkpointing, + micro-batches, + 30% density), `optimizer_state/*`
-(Adam's state in 32, 16 and 8 bits), `step_*/*` (the library's step against one written by
-hand, per model), `fit/*` (`Trainer.fit` against a hand loop) and `plan/*` (`el.memory.plan`
-against one compile). The steps are `_steps.py`'s, one builder per kind; `memory.py`
-compiles the same steps.
+Groups: `CONFIGS`, each timed against its `BASELINES` row, the goals in `GOALS`. The steps are
+`_steps.py`'s, one builder per kind; `memory.py` compiles the same steps (its `guide/*` rows
+are the ones of the same names here).
 
     python benchmarks/speed.py --device gpu          # on a GPU: results/gpu.json
     python benchmarks/speed.py --device gpu --only guide/ accumulate/
@@ -76,35 +67,33 @@ TINY = {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_ff": 32, "seq": 8, "batch
 # `plan`'s timing: a budget between its largest and smallest candidate's peak.
 PLAN = {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 128, "batch": 32,
         "budget": 200_000_000}  # fmt: skip
+WRN = {"depth": 28, "width": 2, "batch": 100, "image": 32}
 SIZES = {
-    "gpu": {"transformer": GUIDE, "accumulate": GUIDE, "mlp": SPARSE_MLP,
-            "wrn": {"depth": 28, "width": 2, "batch": 100, "image": 32}, "stream_samples": 512,
-            "lm_loss": LM_LOSS, "step_scale": 8, "plan": PLAN, "char_lm": CHAR_LM_GUIDE,
-            "timing": {"burn_in": 3, "repeats": 10, "repeats_short": 61}},
-    # A CPU update of the guide's size takes seconds: 4 blocks of width 128 (about 0.07 s).
-    "cpu": {"transformer": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512,
-                            "seq": 128, "batch": 8},
-            "accumulate": ACCUMULATE, "mlp": SPARSE_MLP,
-            "wrn": {"depth": 16, "width": 1, "batch": 100, "image": 32}, "stream_samples": 256,
-            "lm_loss": LM_LOSS, "step_scale": 1, "plan": PLAN, "char_lm": CHAR_LM_SMALL,
-            "timing": {"burn_in": 1, "repeats": 9, "repeats_short": 31}},
-    "smoke": {"transformer": TINY, "accumulate": TINY,
-              "mlp": {**SPARSE_MLP, "width": 32, "batch": 8},
-              "wrn": {"depth": 10, "width": 1, "batch": 100, "image": 8}, "stream_samples": 16,
-              "lm_loss": LM_LOSS_SMOKE, "step_scale": 1, "fit_updates": 2,
-              "char_lm": {**CHAR_LM_SMALL, "layers": 1, "d_model": 16, "d_ff": 32, "seq": 8},
-              "plan": {**TINY, "budget": PLAN["budget"], "options": {"accumulates": [1]}},
-              "timing": {"burn_in": 1, "repeats": 1}},
+    "gpu": {"transformer": GUIDE, "accumulate": GUIDE, "mlp": SPARSE_MLP, "wrn": WRN,
+            "stream_samples": 512, "lm_loss": LM_LOSS, "step_scale": 8, "plan": PLAN,
+            "char_lm": CHAR_LM_GUIDE, "timing": {"burn_in": 3, "repeats": 10, "repeats_short": 61}},
 }  # fmt: skip
+# Each mode as the one before, but for what it names.
+# A CPU update of the guide's size takes seconds: 4 blocks of width 128 (about 0.07 s).
+SIZES["cpu"] = {**SIZES["gpu"], "accumulate": ACCUMULATE, "wrn": {**WRN, "depth": 16, "width": 1},
+                "transformer": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512,
+                                "seq": 128, "batch": 8},
+                "stream_samples": 256, "step_scale": 1, "char_lm": CHAR_LM_SMALL,
+                "timing": {"burn_in": 1, "repeats": 9, "repeats_short": 31}}  # fmt: skip
+SIZES["smoke"] = {**SIZES["cpu"], "transformer": TINY, "accumulate": TINY,
+                  "mlp": {**SPARSE_MLP, "width": 32, "batch": 8},
+                  "wrn": {**WRN, "depth": 10, "width": 1, "image": 8}, "stream_samples": 16,
+                  "lm_loss": LM_LOSS_SMOKE, "fit_updates": 2,
+                  "char_lm": {**CHAR_LM_SMALL, "layers": 1, "d_model": 16, "d_ff": 32, "seq": 8},
+                  "plan": {**TINY, "budget": PLAN["budget"], "options": {"accumulates": [1]}},
+                  "timing": {"burn_in": 1, "repeats": 1}}  # fmt: skip
 BUDGET_S = 450  # the GPU run; issue 13's bound is 8 minutes
 WORKER_TIMEOUT_S = 150
-DENSITY = 0.3
+FP16 = {"kind": "wrn", "precision": "half_fp16"}  # the paper's rows: FP16 and checkpointing
+SPARSE30 = {**FP16, "density": 0.3}
 CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops the last)
-    **{f"guide/{p}": {"kind": "transformer", "remat": p, "report": True}
-       for p in ("none", "full", "dots")},
-    "guide/minimal": {"kind": "transformer", "remat": "minimal", "report": True, "host": True},
-    "guide/minimal_offloaded": {"kind": "transformer", "remat": "minimal_offloaded",
-                                "report": True, "host": True},
+    **{f"guide/{p}": {"kind": "transformer", "remat": p, "report": True, "host": "minimal" in p}
+       for p in ("none", "full", "dots", "minimal", "minimal_offloaded")},
     "accumulate/k1": {"kind": "transformer", "size": "accumulate"},
     "accumulate/k4": {"kind": "transformer", "size": "accumulate", "accumulate": 4,
                       "report": True},
@@ -124,19 +113,14 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
     **{f"step_{c}/{way}": {"kind": "step", "case": c, "hand": way == "hand"}
        for c in STEP_CASES for way in ("hand", "library")},
     **{f"sparse/{v}": {"kind": "sparse", "variant": v, "slow": v == "bcoo"} for v in SPARSE},
-    "paper/fp32": {"kind": "wrn", "precision": None, "remat": "none", "accumulate": 1},
-    "paper/fp16_remat": {"kind": "wrn", "precision": "half_fp16", "accumulate": 1},
-    "paper/fp16_remat_micro10": {"kind": "wrn", "precision": "half_fp16", "accumulate": 10},
-    "paper/fp16_remat_micro10_sparse30": {"kind": "wrn", "precision": "half_fp16",
-                                          "accumulate": 10, "density": DENSITY},
+    "paper/fp32": {"kind": "wrn", "remat": "none"},
+    "paper/fp16_remat": FP16,
+    "paper/fp16_remat_micro10": {**FP16, "accumulate": 10},
+    "paper/fp16_remat_micro10_sparse30": {**SPARSE30, "accumulate": 10},
     # Issue 36: micro-batches of 2 and 1 image, and GroupNorm in BatchNorm's place.
-    "paper/fp16_remat_micro2_sparse30": {"kind": "wrn", "precision": "half_fp16",
-                                         "accumulate": 50, "density": DENSITY},
-    "paper/fp16_remat_micro1_sparse30": {"kind": "wrn", "precision": "half_fp16",
-                                         "accumulate": 100, "density": DENSITY},
-    "paper/fp16_remat_micro1_sparse30_gn": {"kind": "wrn", "precision": "half_fp16",
-                                            "accumulate": 100, "density": DENSITY,
-                                            "norm": "group"},
+    "paper/fp16_remat_micro2_sparse30": {**SPARSE30, "accumulate": 50},
+    "paper/fp16_remat_micro1_sparse30": {**SPARSE30, "accumulate": 100},
+    "paper/fp16_remat_micro1_sparse30_gn": {**SPARSE30, "accumulate": 100, "norm": "group"},
     "fit/hand": {"kind": "fit", "hand": True},
     "fit/trainer": {"kind": "fit", "hand": False},
     "fit/hand_prefetch": {"kind": "fit", "hand": True, "prefetch": True},
@@ -195,8 +179,9 @@ CHECK_RTOL = 2e-3
 # ------------------------------------------------------------------------------- worker
 
 
-def _peak() -> int | None:
-    return (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+def _base(name: str) -> str | None:
+    """The baseline of `name`'s group."""
+    return BASELINES.get(name.split("/")[0])
 
 
 def worker(payload: dict) -> dict:
@@ -221,16 +206,6 @@ def worker(payload: dict) -> dict:
         for _ in range(timing["burn_in"]):
             update()
 
-    def record(wall: dict, names: list[str]) -> None:
-        per_call = {n: [t / results[n].get("per_call", 1) for t in wall[n]] for n in wall}
-        for name in names:
-            results[name] |= {"rounds": "main" if name in fast else "own",
-                              "step_s_all": per_call[name],
-                              "step_s": statistics.median(per_call[name])}  # fmt: skip
-            base = BASELINES.get(name.split("/")[0])
-            if base in wall:  # the median of per-round ratios: drift cancels
-                results[name]["time_vs_base"] = median_ratio(per_call[name], per_call[base])
-
     # A slow configuration (seconds a call) in 2 rounds of its own with its baseline:
     # in the others' rounds its calls would swamp their drift-cancelling pairing.
     fast = [n for n in built if not CONFIGS[n].get("slow") or len(built) == 1]
@@ -238,11 +213,19 @@ def worker(payload: dict) -> dict:
     repeats = timing["repeats"]
     if all(CONFIGS[n]["kind"] in short for n in fast):
         repeats = timing.get("repeats_short", repeats)
-    record(interleaved({n: built[n] for n in fast}, max(repeats, 2)), fast)
-    for name in (n for n in built if n not in fast):
-        pair = dict.fromkeys((BASELINES.get(name.split("/")[0]), name))
-        record(interleaved({n: built[n] for n in pair if n in built}, 2), [name])
-    peak = _peak() if len(payload["names"]) == 1 else None  # a process of its own: its peak
+    # (the rounds' label, the calls they time, the configurations they record, how many)
+    sessions = [("main", fast, fast, max(repeats, 2))]
+    sessions += [("own", [_base(n), n], [n], 2) for n in built if n not in fast]
+    for label, timed, recorded, rounds in sessions:
+        wall = interleaved({n: built[n] for n in dict.fromkeys(timed) if n in built}, rounds)
+        per_call = {n: [t / results[n].get("per_call", 1) for t in wall[n]] for n in wall}
+        for name in recorded:
+            results[name] |= {"rounds": label, "step_s_all": per_call[name],
+                              "step_s": statistics.median(per_call[name])}  # fmt: skip
+            if _base(name) in wall:  # the median of per-round ratios: drift cancels
+                results[name]["time_vs_base"] = median_ratio(per_call[name], per_call[_base(name)])
+    alone = len(payload["names"]) == 1  # a process of its own (the GPU run's): its peak
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use") if alone else None
     for name, r in results.items():
         if "step_s" in r:
             r["updates_per_s"] = 1.0 / r["step_s"]
@@ -269,11 +252,14 @@ def _ratio(results: dict, num: str, den: str, quantity: str) -> float | None:
 def evaluate_goals(results: dict) -> dict:
     """Each goal's ratio and whether it is met (None where a figure is missing: peaks on a
     CPU, a configuration that did not run); and the memory report against the peaks."""
-    time_of = {n: _ratio(results, f"guide/{n}", NONE, "step_s") for n in ("dots", "minimal")}
-    timed = [n for n, t in time_of.items() if t is not None]
-    fast = [n for n in timed if time_of[n] <= 1.10 and _ratio(results, f"guide/{n}", NONE, "peak")]
-    selective = (min(fast, key=lambda n: _ratio(results, f"guide/{n}", NONE, "peak")) if fast
-                 else min(timed, key=time_of.get, default=None))  # fmt: skip
+    # The selective preset: the one of least peak among those meeting the time goal, else
+    # the fastest.
+    vs_none = lambda n, quantity: _ratio(results, f"guide/{n}", NONE, quantity)  # noqa: E731
+    time_of = {n: t for n in ("dots", "minimal") if (t := vs_none(n, "step_s")) is not None}
+    bound = GOALS["selective_remat_time"][-1]
+    fast = [n for n, t in time_of.items() if t <= bound and vs_none(n, "peak")]
+    selective = (min(fast, key=lambda n: vs_none(n, "peak")) if fast
+                 else min(time_of, key=time_of.get, default=None))  # fmt: skip
     goals = {}
     for name, (num, den, quantity, sense, bound) in GOALS.items():
         num = num.format(selective=selective)
@@ -299,16 +285,12 @@ def check_consistency(results: dict) -> dict:
     """The first update's loss and gradient norm agree between configurations computing the
     same function from the same parameters and batch (remat and accumulation change the
     schedule, not the arithmetic)."""
-    groups = {
-        "float32": ["guide/none", "guide/full", "guide/dots", "guide/minimal",
-                    "guide/minimal_offloaded", "guide/segments", "guide/accumulate_4",
-                    "guide/full_accumulate_4"],
-        "accumulate": ["accumulate/k1", "accumulate/k4"],
-        "lm_loss": [n for n in CONFIGS if n.startswith("lm_loss/")],
-        "optimizer_state": [f"optimizer_state/{v}" for v in OPTIMIZERS],
-    }  # fmt: skip
     out = {}
-    for group, names in groups.items():
+    for group in ("float32", "accumulate", "lm_loss", "optimizer_state"):
+        # Its rows the library trains in float32 (not plain Equinox's or MultiSteps' hand steps).
+        prefix = "guide/" if group == "float32" else f"{group}/"
+        names = [n for n, s in CONFIGS.items() if n.startswith(prefix) and "precision" not in s]
+        names = [n for n in names if CONFIGS[n]["kind"] not in ("plain", "multisteps")]
         names = [n for n in names if "loss" in results.get(n, {})]
         if len(names) > 1:
             ref = results[names[0]]
@@ -330,25 +312,24 @@ def _run(names: list[str], size: str, timeout: float) -> dict:
         return {n: {"error": str(e)} for n in names}
 
 
-def run_all(names: list[str], device: str, smoke: bool, budget: float) -> dict:
+def run_all(names: list[str], mode: str, budget: float) -> dict:
     """CPU: the configurations sharing a baseline in one process, timed side by side. GPU:
     so for the `SIDE_BY_SIDE` kinds, the others each in a process of its own (its peak);
     all within `budget`. Smoke: one process."""
-    if smoke:
-        return _run(names, "smoke", 900)
+    if mode == "smoke":
+        return _run(names, mode, 900)
     groups: dict[str, list[str]] = {}
     for n in names:
-        if device == "gpu" and CONFIGS[n]["kind"] not in SIDE_BY_SIDE:
+        if mode == "gpu" and CONFIGS[n]["kind"] not in SIDE_BY_SIDE:
             groups[n] = [n]
-            continue
-        base = BASELINES.get(n.split("/")[0]) or n.split("_")[0]
-        groups.setdefault(base, [base] if base in CONFIGS else []).append(n)
+        else:  # with its baseline, where `names` lack it
+            groups.setdefault(_base(n), [_base(n)]).append(n)
     results, start = {}, time.perf_counter()
     for group in map(list, map(dict.fromkeys, groups.values())):
-        left = budget - (time.perf_counter() - start) if device == "gpu" else 3600
-        timeout = 3600 if device == "cpu" else min(left, WORKER_TIMEOUT_S * len(group))
+        left = budget - (time.perf_counter() - start) if mode == "gpu" else 3600
+        timeout = 3600 if mode == "cpu" else min(left, WORKER_TIMEOUT_S * len(group))
         skipped = {"skipped": f"the time budget of {budget:.0f} s was spent"}
-        results |= _run(group, device, timeout) if left > 10 else dict.fromkeys(group, skipped)
+        results |= _run(group, mode, timeout) if left > 10 else dict.fromkeys(group, skipped)
         for n in group:
             print(f"  {n:<36} {json.dumps(results[n])[:150]}", flush=True)
     return {n: results[n] for n in names}
@@ -376,13 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ |= {"JAX_COMPILATION_CACHE_DIR": cache.name,
                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}  # fmt: skip
-    t0 = time.perf_counter()
-    results = run_all(names, args.device, args.smoke, args.budget)
+    t0, mode = time.perf_counter(), "smoke" if args.smoke else args.device
+    results = run_all(names, mode, args.budget)
     cache.cleanup()
     default = RESULTS / ("gpu.json" if args.device == "gpu" else "speed.json")
     out = args.out or (Path(tempfile.gettempdir()) / "speed_smoke.json" if args.smoke else default)
-    mode = "smoke" if args.smoke else args.device
-    record = {"mode": mode, "sizes": SIZES["smoke" if args.smoke else args.device],
+    record = {"mode": mode, "sizes": SIZES[mode],
               "environment_variables": {k: os.environ.get(k) for k in
                                         ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_FLAGS")},
               "configs": results, "goals": evaluate_goals(results),
