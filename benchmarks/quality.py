@@ -1,13 +1,12 @@
 """Accuracy: Sohoni et al. (2019)'s comparison on Fashion-MNIST, and accuracy against memory.
 
-A WideResNet trained in FP32 dense against the paper's whole combination: 16-bit compute
-with a dynamic loss scale (`mixed_fp16`), every residual block recomputed
-("checkpoint-residual-1"), micro-batches of 10 at batch 100 and 30% of the 3x3 convolutions
-rewired by DSR. Every configuration sees the same images in the same order from the same
-initial weights per seed; test accuracy after every epoch goes in the JSON. The data: the
-Debian package `dataset-fashion-mnist`. The configurations (and the comparison's seeds)
-train side by side, one worker process each pinned to its own core: XLA:CPU runs one small
-WRN update only 1.2x faster on two cores than on one.
+A WideResNet trained in FP32 dense against the paper's whole combination of 16-bit compute,
+recomputation, micro-batches and DSR (`QUALITY_CONFIGS`). Every configuration sees the same
+images in the same order from the same initial weights per seed; test accuracy after every
+epoch goes in the JSON. The data: the Debian package `dataset-fashion-mnist`. The
+configurations (and the comparison's seeds) train side by side, one worker process each
+pinned to its own core: XLA:CPU runs one small WRN update only 1.2x faster on two cores than
+on one.
 
     python benchmarks/quality.py                  # the comparison: paper_quality.json
     python benchmarks/quality.py --frontier       # accuracy against compiled memory (45 min)
@@ -19,12 +18,12 @@ and the 8-bit optimizer state's loss curves were one-off runs of this script's
 `--select-lr`, `--ablation`, `--sparse-variants` and `--optimizer-state`, retired after
 commit 837811e: check that commit out to run them again.
 
-`--frontier` trains a WRN-10-2 family over a grid of the techniques, alone and combined
-(micro-batches of 10, 2 and 1), and smaller dense models, for 240 updates (`--configs`,
-`--train 60000 --name frontier_long`: a part of it, longer): per configuration
-the compiled peak of its training step (`memory_analysis()`), the accuracy over two seeds
-and the seconds per update; the Pareto front and, per memory budget, the most accurate
-configuration that fits (`frontier.json` and `.png`; H100 peaks: `memory.py`'s `frontier/*`).
+`--frontier` trains a grid of the techniques, alone and combined, and smaller dense models
+(`CONFIGS`; `--configs`, `--train 60000 --name frontier_long`: a part of it, longer): per
+configuration the compiled peak of its training step (`memory_analysis()`), the accuracy
+over the seeds and the seconds per update; the Pareto front and, per memory budget, the
+most accurate configuration that fits (`frontier.json` and `.png`; H100 peaks: `memory.py`'s
+`frontier/*`).
 """
 
 import argparse
@@ -219,15 +218,10 @@ def train_one(name, seed, cfg, data, step, opts) -> dict:
 def _train_spec(spec: dict) -> dict:
     """A worker's job: one configuration (`opts`) trained on each of `seeds`, after (with
     `memory`) its step's compiled peak at the run's batch, a program the first update then
-    reads back from the persistent cache that the run's workers share (`cache`)."""
-    import jax
+    reads back from the persistent cache that the run's workers share (`run`)."""
     import jax.numpy as jnp
 
     name, opts, cfg = spec["label"], spec["opts"], spec["cfg"]
-    if spec.get("cache"):
-        jax.config.update("jax_compilation_cache_dir", spec["cache"])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     data = (_images("train", cfg["train"]), _images("test", cfg["test"]))
     step, out = make_config_step(cfg, opts), {}
     if spec["memory"]:
@@ -240,41 +234,47 @@ def _train_spec(spec: dict) -> dict:
     return out
 
 
-def run_rows(cfg: dict, rows: dict, workers=None, *, per_seed=False, memory=False) -> tuple:
-    """Each configuration of `rows` (name: options) trained on `cfg`'s seeds, a job per
-    configuration (or, `per_seed`, per configuration and seed) in worker processes pinned
-    one per core, at most `workers` at a time (1: all here): `{name: {"runs": {seed: run},
-    "memory", "compile_s"}}` and the count of workers."""
-    seeds = [[s] for s in cfg["seeds"]] if per_seed else [cfg["seeds"]]
-    jobs = [{"label": n, "opts": o, "cfg": cfg, "seeds": s, "memory": memory}
-            for n, o in rows.items() for s in seeds]  # fmt: skip
+def run(cfg: dict, configs: dict, workers=None, *, frontier=False) -> dict:
+    """Both modes' runner: each of `configs` (name: options) trained on `cfg`'s seeds in
+    worker processes pinned one per core, at most `workers` at a time (1: all here), and the
+    mode's record. The comparison runs a job per configuration and seed; the `frontier` a
+    job per configuration, which first measures its step's compiled peak."""
+    load_before, t0 = os.getloadavg(), time.perf_counter()
+    seeds = [cfg["seeds"]] if frontier else [[s] for s in cfg["seeds"]]
+    jobs = [{"label": n, "opts": o, "cfg": cfg, "seeds": s, "memory": frontier}
+            for n, o in configs.items() for s in seeds]  # fmt: skip
     workers = min(len(cores()) if workers is None else workers, len(jobs))
     with tempfile.TemporaryDirectory(prefix="quality_cache_") as cache:
         if workers > 1:
-            jobs_cached = [{**j, "cache": cache} for j in jobs]
-            outs = run_workers(__file__, jobs_cached, parallel=workers, pin=True)
+            env = {  # every program into the shared cache, however quick or small
+                "JAX_COMPILATION_CACHE_DIR": cache,
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+            }
+            outs = run_workers(__file__, jobs, parallel=workers, pin=True, env=env)
         else:
             outs = [_train_spec(j) for j in jobs]
-    merged: dict[str, dict] = {n: {"runs": {}} for n in rows}
-    for job, out in zip(jobs, outs, strict=True):
-        merged[job["label"]]["runs"] |= out.pop("runs")
-        merged[job["label"]] |= out
-    return merged, workers
+    out: dict[str, dict] = {n: {"runs": {}} for n in configs}
+    for job, job_out in zip(jobs, outs, strict=True):
+        out[job["label"]]["runs"] |= job_out.pop("runs")
+        out[job["label"]] |= job_out
+    load = {"before": list(load_before), "after": list(os.getloadavg())}
+    record = (_frontier if frontier else _comparison)(cfg, configs, out)
+    result = {"config": cfg, "workers": workers, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "load_average": load, **record}  # fmt: skip
+    return result | {"run_seconds": time.perf_counter() - t0}
 
 
-def run_quality(cfg: dict, workers=None) -> dict:
-    """The comparison at `cfg`: each configuration and seed a job of its own."""
-    t0 = time.perf_counter()
-    out, workers = run_rows(cfg, QUALITY_CONFIGS, workers, per_seed=True)
-    runs = {n: {str(s): out[n]["runs"][str(s)] for s in cfg["seeds"]} for n in out}
+def _comparison(cfg: dict, configs: dict, out: dict) -> dict:
+    """The comparison's record: the runs, each configuration's mean final accuracy and the
+    combination's gap to FP32 in points."""
+    runs = {n: o["runs"] for n, o in out.items()}
     final = {n: statistics.mean(r["test_accuracy"][-1] for r in runs[n].values()) for n in runs}
     gap = 100 * (final["baseline_fp32"] - final["combined"])
-    return {"config": cfg, "configs": QUALITY_CONFIGS, "workers": workers,
-            "combined_precision": QUALITY_CONFIGS["combined"]["precision"],
+    return {"configs": configs, "combined_precision": configs["combined"]["precision"],
             "dsr": {"period": dsr_period(total_steps(cfg)), "total_steps": total_steps(cfg)},
             "runs": runs, "final_mean_accuracy": final, "gap_points": gap,
-            "within_half_a_point": bool(gap <= 0.5),
-            "run_seconds": time.perf_counter() - t0}  # fmt: skip
+            "within_half_a_point": bool(gap <= 0.5)}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ frontier
@@ -293,21 +293,26 @@ def uses(opts: dict, cfg: dict) -> str:
     return " + ".join(parts)
 
 
-def _row(name: str, opts: dict, cfg: dict, out: dict) -> dict:
-    runs = out["runs"]
-    final = [r["test_accuracy"][-1] for r in runs.values()]
-    steps = [r["step_s"] for r in runs.values() if r["step_s"] is not None]
-    updates = total_steps(cfg)
-    return {"config": name, "compiled_peak_bytes": out["memory"]["peak"],
-            "test_accuracy": statistics.mean(final),
-            "test_accuracy_spread": max(final) - min(final),
-            "step_s": statistics.median(steps) if steps else None, "uses": uses(opts, cfg),
-            "opts": opts, "dense": opts["density"] is None, "memory": out["memory"],
-            "compile_s": out["compile_s"], "runs": runs,
-            "trained": {"updates": updates, "images": updates * cfg["batch"],
-                        "epochs": cfg["epochs"], "train_images": cfg["train"],
-                        "batch": cfg["batch"],
-                        "seconds": {s: r["seconds"] for s, r in runs.items()}}}  # fmt: skip
+def _frontier(cfg: dict, configs: dict, out: dict) -> dict:
+    """The frontier's record: per configuration its compiled peak, mean accuracy and spread
+    over the seeds and median seconds per update; the Pareto front, the goal and the budget
+    table."""
+    rows, updates = [], total_steps(cfg)
+    for name, opts in configs.items():
+        final = [r["test_accuracy"][-1] for r in out[name]["runs"].values()]
+        steps = [r["step_s"] for r in out[name]["runs"].values() if r["step_s"] is not None]
+        rows.append({"config": name, "compiled_peak_bytes": out[name]["memory"]["peak"],
+                     "test_accuracy": statistics.mean(final),
+                     "test_accuracy_spread": max(final) - min(final),
+                     "step_s": statistics.median(steps) if steps else None,
+                     "uses": uses(opts, cfg), "opts": opts, "dense": opts["density"] is None,
+                     **out[name], "trained": {"updates": updates,
+                                              "images": updates * cfg["batch"]}})  # fmt: skip
+    result = {"timing_note": "the 2 cores were shared with other work: compare step times "
+              "within one run only", "notes": NOTES, "rows": rows,
+              "pareto_front": pareto_front(rows),
+              "goal": [goal(rows, c) for c in COMBINATIONS if c in configs]}  # fmt: skip
+    return result | {"budget_table": budget_table(result)}
 
 
 def pareto_front(rows: list[dict]) -> list[str]:
@@ -350,20 +355,6 @@ def goal(rows: list[dict], combination: str) -> dict:
             "dense_better_by_more_than_spread": better, "met": not better}  # fmt: skip
 
 
-def run_frontier(cfg: dict, names: list[str], workers=None) -> dict:
-    load_before, t0 = os.getloadavg(), time.perf_counter()
-    out, workers = run_rows(cfg, {n: ALL_CONFIGS[n] for n in names}, workers, memory=True)
-    rows = [_row(n, ALL_CONFIGS[n], cfg, out[n]) for n in names]
-    result = {"config": cfg, "workers": workers, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-              "timing_note": "the 2 cores were shared with other work: compare step times "
-              "within one run only", "notes": NOTES, "rows": rows,
-              "run_seconds": time.perf_counter() - t0, "pareto_front": pareto_front(rows),
-              "goal": [goal(rows, c) for c in COMBINATIONS if c in names]}  # fmt: skip
-    result["budget_table"] = budget_table(result)
-    return result
-
-
 # ---------------------------------------------------------------------------------- plots
 
 
@@ -375,21 +366,19 @@ def plot(result: dict, path: Path) -> None:
     if "rows" not in result:
         for c, (name, seeds) in enumerate(result["runs"].items()):
             for s, (seed, r) in enumerate(seeds.items()):
-                style = {"color": f"C{c}", "linestyle": "-:"[s % 2], "marker": "o"}
                 epochs = range(1, len(r["test_accuracy"]) + 1)
-                ax.plot(epochs, r["test_accuracy"], label=f"{name}, seed {seed}", **style)
+                style, label = "o" + "-:"[s % 2], f"{name}, seed {seed}"
+                ax.plot(epochs, r["test_accuracy"], style, color=f"C{c}", label=label)
         ax.set_xlabel(f"epoch ({cfg['train']:,} images, batch {cfg['batch']})")
     else:
-        rows = {r["config"]: r for r in result["rows"]}
-        for r in rows.values():
-            peak, acc = r["compiled_peak_bytes"] / MB, 100 * r["test_accuracy"]
-            ax.plot(peak, acc, "o", color="C0" if r["dense"] else "C3")
-            ax.annotate(r["config"], (peak, acc), fontsize=6, xytext=(3, 3),
+        points = {r["config"]: (r["compiled_peak_bytes"] / MB, 100 * r["test_accuracy"])
+                  for r in result["rows"]}  # fmt: skip
+        for r in result["rows"]:
+            ax.plot(*points[r["config"]], "o", color="C0" if r["dense"] else "C3")
+            ax.annotate(r["config"], points[r["config"]], fontsize=6, xytext=(3, 3),
                         textcoords="offset points")  # fmt: skip
-        front = [rows[n] for n in result["pareto_front"]]
-        ax.step([r["compiled_peak_bytes"] / MB for r in front],
-                [100 * r["test_accuracy"] for r in front], where="post", color="k",
-                label="Pareto front (blue: dense, red: DSR)")  # fmt: skip
+        front = zip(*(points[n] for n in result["pareto_front"]), strict=True)
+        ax.step(*front, where="post", color="k", label="Pareto front (blue: dense, red: DSR)")
         ax.set_xscale("log")
         ax.set_xlabel(f"compiled peak of the training step, MB (batch {cfg['batch']}, XLA:CPU)")
     ax.set_ylabel(f"test accuracy ({cfg['test']:,} images)")
@@ -404,10 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frontier", action="store_true", help="accuracy against memory")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and plot")
     p.add_argument("--name", help="file name of the JSON and plot (default: the run's)")
-    for field in ("depth", "width", "train", "test", "epochs", "batch"):
-        p.add_argument(f"--{field}", type=int, help=f"override the configuration's {field}")
+    for field in ("depth", "width", "train", "test", "epochs", "batch", "lr"):
+        what = f"override the configuration's {field}"
+        p.add_argument(f"--{field}", type=type(QUALITY[field]), help=what)
     p.add_argument("--seeds", type=int, nargs="+", help="override the configuration's seeds")
-    p.add_argument("--lr", type=float, help="override the configuration's learning rate")
     p.add_argument("--configs", nargs="+", choices=list(ALL_CONFIGS), help="frontier rows")
     p.add_argument("--workers", type=int, help="processes, one core each (1: all here)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -418,15 +407,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--workers must be at least 1, got {args.workers}")
     if args.lr is not None and not args.lr > 0:
         p.error(f"--lr must be positive, got {args.lr}")
-    cfg = dict((FRONTIER_QUICK if args.quick else FRONTIER) if args.frontier
-               else (QUALITY_QUICK if args.quick else QUALITY))  # fmt: skip
-    cfg |= {k: getattr(args, k) for k in QUALITY if getattr(args, k) is not None}  # overrides
     if args.frontier:
-        names = args.configs or (QUICK_CONFIGS if args.quick else list(CONFIGS))
-        result, name = run_frontier(cfg, names, args.workers), "frontier"
+        cfg, name = FRONTIER_QUICK if args.quick else FRONTIER, "frontier"
+        names = args.configs or (QUICK_CONFIGS if args.quick else CONFIGS)
+        configs = {n: ALL_CONFIGS[n] for n in names}
+    else:
+        cfg, name = QUALITY_QUICK if args.quick else QUALITY, "paper_quality"
+        configs = QUALITY_CONFIGS
+    cfg = {**cfg, **{k: getattr(args, k) for k in QUALITY if getattr(args, k) is not None}}
+    result = run(cfg, configs, args.workers, frontier=args.frontier)
+    if args.frontier:
         print("\n".join(result["budget_table"]))
     else:
-        result, name = run_quality(cfg, args.workers), "paper_quality"
         print(json.dumps(result["final_mean_accuracy"]), f"gap {result['gap_points']:.2f} points")
     result["wall_seconds"] = time.perf_counter() - _START  # imports and data included
     name = (args.name or name) + ("_quick" if args.quick else "")
