@@ -7,6 +7,7 @@ Every script in `benchmarks/` uses it: `sys.path.insert(0, <benchmarks>)`, then
 """
 
 import datetime as dt
+import importlib
 import json
 import os
 import platform
@@ -24,13 +25,10 @@ RESULTS = Path(__file__).parent / "results"
 
 def environment() -> dict[str, Any]:
     """Device, library versions and date: every result JSON carries this."""
-    import equinox
     import jax
-    import jaxlib
-    import numpy as np
-    import optax
 
     device = jax.devices()[0]
+    libraries = ("jax", "jaxlib", "equinox", "optax", "numpy")
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "backend": jax.default_backend(),
@@ -39,13 +37,7 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "versions": {
-            "jax": jax.__version__,
-            "jaxlib": jaxlib.__version__,
-            "equinox": equinox.__version__,
-            "optax": optax.__version__,
-            "numpy": np.__version__,
-        },
+        "versions": {name: importlib.import_module(name).__version__ for name in libraries},
     }
 
 
@@ -88,12 +80,8 @@ def compiled_memory(compiled) -> dict[str, int] | None:
     m = compiled.memory_analysis()
     if m is None:
         return None
-    out = {
-        "argument": m.argument_size_in_bytes,
-        "output": m.output_size_in_bytes,
-        "temp": m.temp_size_in_bytes,
-        "alias": m.alias_size_in_bytes,
-    }
+    parts = ("argument", "output", "temp", "alias")
+    out = {part: getattr(m, f"{part}_size_in_bytes") for part in parts}
     out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
     return out
 

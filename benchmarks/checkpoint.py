@@ -10,7 +10,7 @@ returns). Medians.
 That a run killed at any moment resumes bit-identically is the tests' to show
 (`tests/test_interrupt.py`, `tests/test_orbax.py`: SIGKILL at every phase of an update and
 during an asynchronous save). The 10 kills at random moments this script made until commit
-8af4565 are in `checkpoint.json`'s `sigkill` (all 10 resumed bit-identically).
+8af4565 are in `checkpoint.json` at that commit (`sigkill`: all 10 resumed bit-identically).
 
     python benchmarks/checkpoint.py     # results/checkpoint.json
 

@@ -1,14 +1,13 @@
 """Streaming rates of DataStream from a `.npy` memory map, side by side.
 
-Reads 6400 float32 samples of 64 KiB (shape (256, 64)) and of 1 KiB (shape (256,)) from a
-`.npy` file in batches of 32, every batch copied out of the file, with a warm page cache:
-in order, bounded shuffle (buffer 512), global shuffle, the global shuffle copied by NumPy
-from the mapping (`safe_reads=False`: what safe reads cost) and grain's
-`MapDataset.shuffle().batch()` where grain is installed. (A step fed by `stream.prefetch()`
-against batches already on the device is the speed grid's `stream/*` group: `python
-benchmarks/speed.py --only stream/`. How a bounded shuffle mixes data stored sorted by
-label is deterministic, so `tests/test_data_shuffle.py` checks it; this script measured it
-until commit c02c0aa, `stream.json`'s `mixing`.)
+Reads float32 samples of 64 KiB and of 1 KiB from a `.npy` file in batches, every batch
+copied out of the file, with a warm page cache: in order, bounded shuffle, global shuffle,
+the global shuffle copied by NumPy from the mapping (`safe_reads=False`: what safe reads
+cost) and grain's `MapDataset.shuffle().batch()` where grain is installed. (A step fed by
+`stream.prefetch()` against batches already on the device is the speed grid's `stream/*`
+group: `python benchmarks/speed.py --only stream/`. How a bounded shuffle mixes data stored
+sorted by label is deterministic, so `tests/test_data_shuffle.py` checks it; this script
+measured it until commit c02c0aa, `stream.json`'s `mixing`.)
 
     python benchmarks/stream.py            # writes benchmarks/results/stream.json
 """
@@ -40,9 +39,7 @@ MIN_TIMING_S = 0.03
 def write_samples(path: Path, shape: tuple[int, ...]) -> None:
     """Sample i holds i in its first element, so an epoch's ids can be checked."""
     x = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(N, *shape))
-    rng = np.random.default_rng(0)
-    for start in range(0, N, 256):
-        x[start : start + 256] = rng.standard_normal((min(256, N - start), *shape), np.float32)
+    np.random.default_rng(0).standard_normal(dtype=np.float32, out=x)  # in place: no copy
     x.reshape(N, -1)[:, 0] = np.arange(N)
     x.flush()
 
