@@ -61,3 +61,13 @@ def test_the_committed_figures_are_what_the_code_compiles(tmp_path):
         f"benchmarks/results/memory_grid.json is stale for {stale}: run "
         "`python benchmarks/memory.py` and `python benchmarks/readme.py`."
     )
+
+
+@pytest.mark.slow  # compiles one WideResNet step
+def test_a_smoke_frontier_row_compiles_at_micro_batches_of_one():
+    # The smoke batch (20) is smaller than the row's 100 micro-batches: the row caps them
+    # at the batch, as the paper's rows do, instead of failing.
+    cfg = memory.SMOKE["frontier"]
+    assert memory.quality.ALL_CONFIGS["combined_micro1"]["accumulate"] > cfg["batch"]
+    row = memory.frontier_row(cfg, "combined_micro1", gpu=False)
+    assert set(row) == {"peak"} and row["peak"] > 0
