@@ -1,6 +1,6 @@
 """The benchmark scripts' harness: the environment record, atomic JSON output, timing
-(rounds that interleave what is compared), worker processes (fresh, or one per core,
-pinned) and plots.
+(rounds that interleave what is compared) and worker processes (fresh, or one per core,
+pinned).
 
 Every script in `benchmarks/` uses it: `sys.path.insert(0, <benchmarks>)`, then
 `from _common import ...`.
@@ -171,31 +171,6 @@ def worker_main(job: str, work: Callable[[Any], Any]) -> int:
         os.sched_setaffinity(0, {job["core"]})
     atomic_write_json(job["out"], work(job["spec"]))
     return 0
-
-
-# --------------------------------------------------------------------------------- plots
-
-
-def pyplot() -> Any:
-    """`matplotlib.pyplot` drawing to files only (the Agg backend: no display needed)."""
-    import matplotlib as mpl
-
-    mpl.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig: Any, path: str | Path) -> Path:
-    """Save `fig` as a PNG at `path` atomically (a temporary file, then a rename), and close
-    it."""
-    from eqx_lowmem._io import atomic_write
-
-    fig.tight_layout()
-    try:
-        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
-    finally:
-        pyplot().close(fig)
 
 
 # ------------------------------------------------------------------- the guide's model

@@ -1,34 +1,29 @@
-"""Accuracy: Sohoni et al. (2019)'s comparison on Fashion-MNIST, and accuracy against memory.
+"""Accuracy against memory: Sohoni et al. (2019)'s techniques on Fashion-MNIST, alone and
+combined, against smaller dense models.
 
-A WideResNet trained in FP32 dense against the paper's whole combination of 16-bit compute,
-recomputation, micro-batches and DSR (`QUALITY_CONFIGS`). Every configuration sees the same
-images in the same order from the same initial weights per seed; test accuracy after every
-epoch goes in the JSON. The data: the Debian package `dataset-fashion-mnist`. The
-configurations (and the comparison's seeds) train side by side, one worker process each
-pinned to its own core: XLA:CPU runs one small WRN update only 1.2x faster on two cores than
-on one.
+A WideResNet family (`CONFIGS`) trained side by side, one worker process each pinned to its
+own core (XLA:CPU runs one small WRN update only 1.2x faster on two cores than on one).
+Every configuration sees the same images in the same order from the same initial weights
+per seed. Per configuration: the compiled peak of its training step (`memory_analysis()`),
+the test accuracy over the seeds and the seconds per update; the Pareto front and, per
+memory budget, the most accurate configuration that fits (`frontier.json` and `.png`; H100
+peaks: `memory.py`'s `frontier/*`). The data: the Debian package `dataset-fashion-mnist`.
 
-    python benchmarks/quality.py                  # the comparison: paper_quality.json
-    python benchmarks/quality.py --frontier       # accuracy against compiled memory (45 min)
-    python benchmarks/quality.py --quick [--frontier]  # a smoke test
+    python benchmarks/quality.py                   # the frontier (45 min): frontier.json
+    python benchmarks/quality.py --configs fp32 combined --train 60000 --name frontier_long
+    python benchmarks/quality.py --quick           # a smoke test
 
-The learning rate (`paper_quality_lr.json`: chosen on held-out training images), each
-technique alone (`paper_quality_ablation.json`), DSR's settings (`paper_quality_sparse.json`)
-and the 8-bit optimizer state's loss curves were one-off runs of this script's
-`--select-lr`, `--ablation`, `--sparse-variants` and `--optimizer-state`, retired after
-commit 837811e: check that commit out to run them again.
-
-`--frontier` trains a grid of the techniques, alone and combined, and smaller dense models
-(`CONFIGS`; `--configs`, `--train 60000 --name frontier_long`: a part of it, longer): per
-configuration the compiled peak of its training step (`memory_analysis()`), the accuracy
-over the seeds and the seconds per update; the Pareto front and, per memory budget, the
-most accurate configuration that fits (`frontier.json` and `.png`; H100 peaks: `memory.py`'s
-`frontier/*`).
+The paper's comparison of FP32 against the combination on a WRN-10-1 (`paper_quality.json`,
+`paper_quality_6epochs.json`: the frontier's `fp32` and `combined` rows ask the same
+question) was this script's default until commit 80a7b30; the learning rate
+(`paper_quality_lr.json`), each technique alone (`paper_quality_ablation.json`), DSR's
+settings (`paper_quality_sparse.json`) and the 8-bit optimizer state's loss curves were its
+`--select-lr`, `--ablation`, `--sparse-variants` and `--optimizer-state` until commit
+837811e: check those commits out to run them again.
 """
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -42,27 +37,17 @@ from _common import (  # noqa: E402
     RESULTS,
     compiled_memory,
     cores,
-    pyplot,
     run_workers,
-    save_figure,
     worker_main,
     write_json,
 )
 
 _START = time.perf_counter()
 MB = 1e6
-# 2 seeds x 1,800 updates (the whole training set, 3 epochs): 1,391 s on the 2 cores.
-QUALITY = {"depth": 10, "width": 1, "train": 60_000, "test": 10_000, "epochs": 3,
-           "seeds": [0, 1], "batch": 100, "lr": 0.2}  # lr: `paper_quality_lr.json`  # fmt: skip
-QUALITY_QUICK = {**QUALITY, "train": 400, "test": 200, "epochs": 1, "seeds": [0]}
+# WRN-10-2 (303,418 weights), 240 updates of 100 per seed (about 40 minutes).
+FRONTIER = {"depth": 10, "width": 2, "train": 24_000, "test": 10_000, "epochs": 1,
+            "seeds": [0, 1], "batch": 100, "lr": 0.2}  # lr: `paper_quality_lr.json`  # fmt: skip
 _FP32 = {"precision": "float32", "remat": False, "accumulate": 1, "density": None}
-QUALITY_CONFIGS = {
-    "baseline_fp32": _FP32,
-    "combined": {"precision": "mixed_fp16", "remat": "checkpoint-residual-1", "accumulate": 10,
-                 "density": 0.3},
-}  # fmt: skip
-# The frontier: WRN-10-2 (303,418 weights), 240 updates of 100 per seed (about 40 minutes).
-FRONTIER = {**QUALITY, "width": 2, "train": 24_000, "epochs": 1}
 FRONTIER_QUICK = {**FRONTIER, "train": 40, "test": 100, "batch": 20}
 _HALF = {"precision": "half_fp16", "accumulate_dtype": "float16"}  # micro-batched 16 bits
 _COMBINED = {**_FP32, **_HALF, "remat": "checkpoint-residual-1", "accumulate": 10, "density": 0.3}
@@ -216,33 +201,29 @@ def train_one(name, seed, cfg, data, step, opts) -> dict:
 
 
 def _train_spec(spec: dict) -> dict:
-    """A worker's job: one configuration (`opts`) trained on each of `seeds`, after (with
-    `memory`) its step's compiled peak at the run's batch, a program the first update then
-    reads back from the persistent cache that the run's workers share (`run`)."""
+    """A worker's job: one configuration (`opts`) trained on each of the run's seeds, after
+    its step's compiled peak at the run's batch, a program the first update then reads back
+    from the persistent cache that the run's workers share (`run`)."""
     import jax.numpy as jnp
 
     name, opts, cfg = spec["label"], spec["opts"], spec["cfg"]
     data = (_images("train", cfg["train"]), _images("test", cfg["test"]))
-    step, out = make_config_step(cfg, opts), {}
-    if spec["memory"]:
-        state, t0 = init_state(cfg["seeds"][0], cfg, step, opts), time.perf_counter()
-        (x, y), _ = data
-        batch = (jnp.asarray(x[: cfg["batch"]]), jnp.asarray(y[: cfg["batch"]]))
-        out["memory"] = compiled_memory(step.lower(state, batch).compile())
-        out["compile_s"] = time.perf_counter() - t0
-    out["runs"] = {str(s): train_one(name, s, cfg, data, step, opts=opts) for s in spec["seeds"]}
+    step = make_config_step(cfg, opts)
+    state, t0 = init_state(cfg["seeds"][0], cfg, step, opts), time.perf_counter()
+    (x, y), _ = data
+    batch = (jnp.asarray(x[: cfg["batch"]]), jnp.asarray(y[: cfg["batch"]]))
+    out = {"memory": compiled_memory(step.lower(state, batch).compile())}
+    out["compile_s"] = time.perf_counter() - t0
+    out["runs"] = {str(s): train_one(name, s, cfg, data, step, opts=opts) for s in cfg["seeds"]}
     return out
 
 
-def run(cfg: dict, configs: dict, workers=None, *, frontier=False) -> dict:
-    """Both modes' runner: each of `configs` (name: options) trained on `cfg`'s seeds in
-    worker processes pinned one per core, at most `workers` at a time (1: all here), and the
-    mode's record. The comparison runs a job per configuration and seed; the `frontier` a
-    job per configuration, which first measures its step's compiled peak."""
+def run(cfg: dict, configs: dict, workers=None) -> dict:
+    """Each of `configs` (name: options) trained on `cfg`'s seeds, a job per configuration,
+    in worker processes pinned one per core, at most `workers` at a time (1: all here); the
+    frontier's record."""
     load_before, t0 = os.getloadavg(), time.perf_counter()
-    seeds = [cfg["seeds"]] if frontier else [[s] for s in cfg["seeds"]]
-    jobs = [{"label": n, "opts": o, "cfg": cfg, "seeds": s, "memory": frontier}
-            for n, o in configs.items() for s in seeds]  # fmt: skip
+    jobs = [{"label": n, "opts": o, "cfg": cfg} for n, o in configs.items()]
     workers = min(len(cores()) if workers is None else workers, len(jobs))
     with tempfile.TemporaryDirectory(prefix="quality_cache_") as cache:
         if workers > 1:
@@ -254,27 +235,11 @@ def run(cfg: dict, configs: dict, workers=None, *, frontier=False) -> dict:
             outs = run_workers(__file__, jobs, parallel=workers, pin=True, env=env)
         else:
             outs = [_train_spec(j) for j in jobs]
-    out: dict[str, dict] = {n: {"runs": {}} for n in configs}
-    for job, job_out in zip(jobs, outs, strict=True):
-        out[job["label"]]["runs"] |= job_out.pop("runs")
-        out[job["label"]] |= job_out
     load = {"before": list(load_before), "after": list(os.getloadavg())}
-    record = (_frontier if frontier else _comparison)(cfg, configs, out)
+    record = frontier(cfg, configs, dict(zip(configs, outs, strict=True)))
     result = {"config": cfg, "workers": workers, "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "load_average": load, **record}  # fmt: skip
     return result | {"run_seconds": time.perf_counter() - t0}
-
-
-def _comparison(cfg: dict, configs: dict, out: dict) -> dict:
-    """The comparison's record: the runs, each configuration's mean final accuracy and the
-    combination's gap to FP32 in points."""
-    runs = {n: o["runs"] for n, o in out.items()}
-    final = {n: statistics.mean(r["test_accuracy"][-1] for r in runs[n].values()) for n in runs}
-    gap = 100 * (final["baseline_fp32"] - final["combined"])
-    return {"configs": configs, "combined_precision": configs["combined"]["precision"],
-            "dsr": {"period": dsr_period(total_steps(cfg)), "total_steps": total_steps(cfg)},
-            "runs": runs, "final_mean_accuracy": final, "gap_points": gap,
-            "within_half_a_point": bool(gap <= 0.5)}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ frontier
@@ -293,7 +258,7 @@ def uses(opts: dict, cfg: dict) -> str:
     return " + ".join(parts)
 
 
-def _frontier(cfg: dict, configs: dict, out: dict) -> dict:
+def frontier(cfg: dict, configs: dict, out: dict) -> dict:
     """The frontier's record: per configuration its compiled peak, mean accuracy and spread
     over the seeds and median seconds per update; the Pareto front, the goal and the budget
     table."""
@@ -359,43 +324,37 @@ def goal(rows: list[dict], combination: str) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    """The comparison's accuracy per epoch, or (`rows`) the frontier's accuracy against
-    compiled peak with its Pareto front."""
-    fig, ax = pyplot().subplots(figsize=(8, 5))
+    """The frontier's accuracy against compiled peak, with its Pareto front (drawn and saved
+    atomically as the library's `--plot` does)."""
+    from eqx_lowmem.memory._plot import _figure, _save
+
+    fig = _figure(8.0, 5.0)
+    ax = fig.subplots()
     cfg = result["config"]
-    if "rows" not in result:
-        for c, (name, seeds) in enumerate(result["runs"].items()):
-            for s, (seed, r) in enumerate(seeds.items()):
-                epochs = range(1, len(r["test_accuracy"]) + 1)
-                style, label = "o" + "-:"[s % 2], f"{name}, seed {seed}"
-                ax.plot(epochs, r["test_accuracy"], style, color=f"C{c}", label=label)
-        ax.set_xlabel(f"epoch ({cfg['train']:,} images, batch {cfg['batch']})")
-    else:
-        points = {r["config"]: (r["compiled_peak_bytes"] / MB, 100 * r["test_accuracy"])
-                  for r in result["rows"]}  # fmt: skip
-        for r in result["rows"]:
-            ax.plot(*points[r["config"]], "o", color="C0" if r["dense"] else "C3")
-            ax.annotate(r["config"], points[r["config"]], fontsize=6, xytext=(3, 3),
-                        textcoords="offset points")  # fmt: skip
-        front = zip(*(points[n] for n in result["pareto_front"]), strict=True)
-        ax.step(*front, where="post", color="k", label="Pareto front (blue: dense, red: DSR)")
-        ax.set_xscale("log")
-        ax.set_xlabel(f"compiled peak of the training step, MB (batch {cfg['batch']}, XLA:CPU)")
+    points = {r["config"]: (r["compiled_peak_bytes"] / MB, 100 * r["test_accuracy"])
+              for r in result["rows"]}  # fmt: skip
+    for r in result["rows"]:
+        ax.plot(*points[r["config"]], "o", color="C0" if r["dense"] else "C3")
+        ax.annotate(r["config"], points[r["config"]], fontsize=6, xytext=(3, 3),
+                    textcoords="offset points")  # fmt: skip
+    front = zip(*(points[n] for n in result["pareto_front"]), strict=True)
+    ax.step(*front, where="post", color="k", label="Pareto front (blue: dense, red: DSR)")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"compiled peak of the training step, MB (batch {cfg['batch']}, XLA:CPU)")
     ax.set_ylabel(f"test accuracy ({cfg['test']:,} images)")
     ax.set_title(f"Fashion-MNIST, WRN-{cfg['depth']}-{cfg['width']} family")
     ax.legend(fontsize=7)
-    save_figure(fig, path)
+    _save(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
-    p.add_argument("--frontier", action="store_true", help="accuracy against memory")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON and plot")
     p.add_argument("--name", help="file name of the JSON and plot (default: the run's)")
     for field in ("depth", "width", "train", "test", "epochs", "batch", "lr"):
         what = f"override the configuration's {field}"
-        p.add_argument(f"--{field}", type=type(QUALITY[field]), help=what)
+        p.add_argument(f"--{field}", type=type(FRONTIER[field]), help=what)
     p.add_argument("--seeds", type=int, nargs="+", help="override the configuration's seeds")
     p.add_argument("--configs", nargs="+", choices=list(ALL_CONFIGS), help="frontier rows")
     p.add_argument("--workers", type=int, help="processes, one core each (1: all here)")
@@ -407,21 +366,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--workers must be at least 1, got {args.workers}")
     if args.lr is not None and not args.lr > 0:
         p.error(f"--lr must be positive, got {args.lr}")
-    if args.frontier:
-        cfg, name = FRONTIER_QUICK if args.quick else FRONTIER, "frontier"
-        names = args.configs or (QUICK_CONFIGS if args.quick else CONFIGS)
-        configs = {n: ALL_CONFIGS[n] for n in names}
-    else:
-        cfg, name = QUALITY_QUICK if args.quick else QUALITY, "paper_quality"
-        configs = QUALITY_CONFIGS
-    cfg = {**cfg, **{k: getattr(args, k) for k in QUALITY if getattr(args, k) is not None}}
-    result = run(cfg, configs, args.workers, frontier=args.frontier)
-    if args.frontier:
-        print("\n".join(result["budget_table"]))
-    else:
-        print(json.dumps(result["final_mean_accuracy"]), f"gap {result['gap_points']:.2f} points")
+    cfg = FRONTIER_QUICK if args.quick else FRONTIER
+    cfg = {**cfg, **{k: getattr(args, k) for k in FRONTIER if getattr(args, k) is not None}}
+    names = args.configs or (QUICK_CONFIGS if args.quick else CONFIGS)
+    result = run(cfg, {n: ALL_CONFIGS[n] for n in names}, args.workers)
+    print("\n".join(result["budget_table"]))
     result["wall_seconds"] = time.perf_counter() - _START  # imports and data included
-    name = (args.name or name) + ("_quick" if args.quick else "")
+    name = (args.name or "frontier") + ("_quick" if args.quick else "")
     write_json(name, result, args.out)
     plot(result, args.out / f"{name}.png")
     print(f"wrote {args.out / name}.json in {result['wall_seconds']:.0f} s")

@@ -1,5 +1,5 @@
 """benchmarks/_common.py, the harness every benchmark script uses: interleaved timing
-rounds, worker processes pinned one per core, atomic plots."""
+rounds, worker processes pinned one per core, the environment record."""
 
 import json
 import os
@@ -67,16 +67,6 @@ def test_pinned_workers_each_run_on_a_core_of_their_own(tmp_path):
     assert all(len(o["cores"]) == 1 and o["cores"][0] in cores for o in outs)
     if len(cores) > 1:  # two at a time, never both on one core
         assert len({o["cores"][0] for o in outs}) == 2
-
-
-def test_a_figure_is_saved_atomically_and_closed(tmp_path):
-    pytest.importorskip("matplotlib")
-    plt = common.pyplot()
-    fig, ax = plt.subplots()
-    ax.plot([0, 1], [1, 0])
-    path = common.save_figure(fig, tmp_path / "f.png")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert os.listdir(tmp_path) == ["f.png"] and not plt.fignum_exists(fig.number)
 
 
 def test_results_carry_the_environment(tmp_path):

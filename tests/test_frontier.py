@@ -1,4 +1,4 @@
-"""benchmarks/quality.py --frontier: accuracy against compiled memory, the Pareto front and the
+"""benchmarks/quality.py: accuracy against compiled memory, the Pareto front and the
 README's budget table read from its JSON."""
 
 import json
@@ -122,7 +122,7 @@ def test_quick_frontier_run_writes_rows_front_table_and_plot(tmp_path):
     env["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
     env["JAX_NUMPY_RANK_PROMOTION"] = "raise"
     proc = subprocess.run(
-        [sys.executable, "-c", TYPE_CHECKED_RUN, SCRIPT, "--frontier", "--quick", "--out",
+        [sys.executable, "-c", TYPE_CHECKED_RUN, SCRIPT, "--quick", "--out",
          tmp_path],
         capture_output=True, text=True, timeout=600, env=env,
     )  # fmt: skip
