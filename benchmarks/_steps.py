@@ -5,11 +5,7 @@ norm, figures compiled on the way).
 """
 
 import math
-import shutil
-import tempfile
 import time
-import weakref
-from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -41,7 +37,8 @@ CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 # Sparse storage: name -> (label, storage, DSR's period). "rewired": ours after 30 DSR
 # rewirings on other batches (training's steady state: a timed run never reaches step 100,
 # and a rewired layout is not the one `sparsify` makes); "masked": jaxpruner's way (dense
-# weight and Adam state, a uint8 mask); "bcoo": `jax.experimental.sparse` BCOO weights.
+# weight and Adam state, a uint8 mask). `jax.experimental.sparse`'s BCOO weights took 40x
+# dense's compiled peak and 109x its time: the "bcoo" rows until commit 80a7b30.
 SPARSE = {
     "dense": ("dense", None, None),
     "masked": ("masked dense (jaxpruner)", "masked", None),
@@ -50,7 +47,6 @@ SPARSE = {
     "ours_dsr100": ("ours + DSR every 100 steps", "indices", 100),
     "bits": ("ours, positions as a bit set", "bits", None),
     "bits_dsr100": ("ours, positions as a bit set + DSR every 100 steps", "bits", 100),
-    "bcoo": ("BCOO", "bcoo", None),
     "rewired_dsr100": ("ours + DSR every 100 steps, after 30 rewirings", "rewired", 100),
 }  # fmt: skip
 SPARSE_MLP = {"width": 1024, "layers": 3, "batch": 128, "density": 0.3, "slack": 0.1}
@@ -73,24 +69,6 @@ class MaskedLinear(eqx.Module):
         return (self.weight * self.mask.astype(self.weight.dtype)) @ x + self.bias
 
 
-class BCOOLinear(eqx.Module):
-    """`jax.experimental.sparse` BCOO weight: trainable data, integer indices."""
-
-    data: jax.Array
-    indices: jax.Array
-    bias: jax.Array
-    shape: tuple[int, int] = eqx.field(static=True)
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[1]
-
-    def __call__(self, x, *, key=None):
-        from jax.experimental import sparse
-
-        return sparse.BCOO((self.data, self.indices), shape=self.shape) @ x + self.bias
-
-
 def sparse_mlp(name: str, cfg: dict) -> tuple:
     """`SPARSE[name]`'s model of the MLP at `cfg`'s size, a batch `(x, y)` and its step
     (cross-entropy, Adam; DSR after each update where the row says)."""
@@ -108,15 +86,10 @@ def sparse_mlp(name: str, cfg: dict) -> tuple:
         return dense, (x, y), step(None)
     model = el.sparse.sparsify(dense, cfg["density"], key=jr.PRNGKey(1), slack=cfg["slack"],
                                storage="bits" if storage == "bits" else "indices")  # fmt: skip
-    if storage in ("masked", "bcoo"):  # the same positions, stored their way
-        layers = []
-        for d, s in zip(dense.layers, model.layers, strict=True):
-            keep = np.asarray(el.sparse.densify(s).weight != 0)
-            rows, cols = np.nonzero(keep)
-            idx = jnp.asarray(np.stack([rows, cols], 1), jnp.int32)
-            masked = MaskedLinear(d.weight, d.bias, jnp.asarray(keep, jnp.uint8))
-            bcoo = BCOOLinear(d.weight[rows, cols], idx, d.bias, keep.shape)
-            layers.append(masked if storage == "masked" else bcoo)
+    if storage == "masked":  # the same positions, stored jaxpruner's way
+        keep = [el.sparse.densify(s).weight != 0 for s in model.layers]
+        layers = [MaskedLinear(d.weight, d.bias, k.astype(jnp.uint8))
+                  for d, k in zip(dense.layers, keep, strict=True)]  # fmt: skip
         model = el.nn.MLP(layers=tuple(layers), activation=dense.activation)
     if storage == "rewired":  # on other batches: a model that learnt the timed one is not
         rewire = step(1)  # training's steady state (and its zero gradients are denormal)
@@ -351,65 +324,10 @@ def multisteps(name: str, spec: dict, sizes: dict):
     return update, {"loss": loss, "opt_state_bytes": tree_bytes(box[1])}
 
 
-def stream(name: str, spec: dict, sizes: dict):
-    """One epoch of the whole-batch float32 step: batches on the device, or a shuffled
-    `DataStream` over `.npy` memory maps with `prefetch` (or the Trainer over it)."""
-
-    cfg, n = sizes["transformer"], sizes["stream_samples"]
-    b, rng, tmp = cfg["batch"], np.random.default_rng(0), tempfile.mkdtemp(prefix="speed_stream_")
-    x, y = (rng.standard_normal((n, cfg["seq"], cfg["d_model"]), np.float32) for _ in "xy")
-    paths = (str(Path(tmp) / "x.npy"), str(Path(tmp) / "y.npy"))
-    np.save(paths[0], x)
-    np.save(paths[1], y)
-    step = el.train.make_step(el.train.mse, optax.sgd(0.01))
-    holder = [step.init(encoder(cfg, jr.PRNGKey(0)), key=jr.PRNGKey(1))]
-    data = el.data.DataStream(paths, batch_size=b, key=0, drop_last=True)
-    if spec["source"] == "resident":
-        resident = [jax.device_put((x[i : i + b], y[i : i + b])) for i in range(0, n - b + 1, b)]
-    if "trainer" in spec:
-        trainer = el.train.Trainer(encoder(cfg, jr.PRNGKey(0)), el.train.mse, optax.sgd(0.01),
-                                   check_data=spec["trainer"], progress=False)  # fmt: skip
-
-    def update():  # one epoch; the figures are per batch (`per_call`)
-        if "trainer" in spec:
-            trainer.fit(epochs=1, key=jr.PRNGKey(1), stream=data)
-            return jax.block_until_ready(trainer.state)
-        for batch in resident if spec["source"] == "resident" else data.prefetch(depth=2):
-            holder[0], _ = step(holder[0], batch)
-        jax.block_until_ready(holder[0])
-
-    weakref.finalize(update, shutil.rmtree, tmp, ignore_errors=True)  # its files: with it
-    update()  # compiles
-    return update, {"per_call": n // b, "samples": n, "order": spec.get("trainer", spec["source"])}
-
-
 def sparse(name: str, spec: dict, sizes: dict):
     """A sparse-storage variant of the MLP (`SPARSE`, `sparse_mlp`): its step's time."""
     model, batch, step = sparse_mlp(spec["variant"], sizes["mlp"])
     return _step_runner(step, step.init(model, key=jr.PRNGKey(4)), batch)
-
-
-def lm_loss(name: str, spec: dict, sizes: dict):
-    """The LM loss-and-gradient (`LM_LOSS`, `lm_mean_loss`): whole logits, or chunked (then
-    compared once with the whole logits' in this process)."""
-    c = sizes["lm_loss"]
-    model = el.nn.CausalLM(c["vocab"], c["seq"], c["layers"], c["d_model"], c["heads"],
-                           c["d_ff"], key=jr.key(0), remat=c["remat"],
-                           chunk_size=spec.get("chunk_size", "auto"))  # fmt: skip
-    tokens = jr.randint(jr.key(1), (c["batch"], c["seq"] + 1), 0, c["vocab"])
-    grad = eqx.filter_jit(eqx.filter_value_and_grad(lm_mean_loss))
-    run = lambda chunk: jax.block_until_ready(grad(model, tokens, chunk))  # noqa: E731
-    chunk = spec["chunk"]  # an int at most the vocabulary (the smoke run's is smaller)
-    chunk = min(chunk, c["vocab"]) if isinstance(chunk, int) else chunk
-    loss, grads = run(chunk)
-    temp = compiled_memory(grad.lower(model, tokens, chunk).compile().compiled)["temp"]
-    info = {"loss": float(loss), "grad_norm": float(optax.tree.norm(grads)), "temp": temp}
-    if chunk is not None:
-        whole_loss, whole = run(None)
-        diffs = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), grads, whole)
-        info |= {"loss_abs_diff": float(jnp.abs(loss - whole_loss)),
-                 "grad_max_abs_diff": max(jax.tree.leaves(diffs))}  # fmt: skip
-    return lambda: run(chunk), info
 
 
 def char_lm(cfg: dict, key, remat="none"):
@@ -501,38 +419,3 @@ def fit(name: str, spec: dict, sizes: dict):
 
     epoch()  # compiles
     return epoch, {"per_call": updates}
-
-
-def plan(name: str, spec: dict, sizes: dict):
-    """`el.memory.plan`'s default candidates (pruned, or every one compiled) or one compile
-    of the default step (no remat, one micro-batch, float32), on the encoder at
-    `sizes["plan"]` (its `options` narrow the candidates: the smoke run's): no update to
-    time, the seconds of the one call (`step_s`)."""
-    jax.config.update("jax_enable_compilation_cache", False)  # compiling is what is timed
-    c, start = sizes["plan"], time.perf_counter()
-    x = jax.ShapeDtypeStruct((c["batch"], c["seq"], c["d_model"]), jnp.float32)
-    make_model = lambda remat: encoder(c, jr.PRNGKey(0), remat)  # noqa: E731
-    if spec["prune"] is None:
-        step = el.train.make_step(el.train.mse, optax.adam(1e-3))
-        state = eqx.filter_eval_shape(lambda: step.init(make_model(False), key=jr.PRNGKey(0)))
-        step.lower(state, (x, x)).compile()
-        return None, {"step_s": time.perf_counter() - start}
-    p = el.memory.plan(make_model, el.train.mse, optax.adam(1e-3), (x, x), budget=c["budget"],
-                       prune=spec["prune"], **c.get("options", {}))  # fmt: skip
-    best = [str(p.best.remat), p.best.accumulate, str(p.best.precision)]
-    return None, {"step_s": time.perf_counter() - start, "compiled": len(p.candidates),
-                  "best": best}  # fmt: skip
-
-
-def wrn(name: str, spec: dict, sizes: dict):
-    """A WideResNet (`wide_resnet`; momentum SGD, BatchNorm per micro-batch): the paper's rows."""
-    w = sizes["wrn"]
-    model_key, data_key = jr.split(jr.PRNGKey(0))
-    model, bn = wide_resnet(spec, w["depth"], w["width"], model_key)
-    options = {"accumulate": spec.get("accumulate", 1), "precision": spec.get("precision")}
-    step = el.train.make_step(wrn_loss, optax.sgd(0.1, momentum=0.9), has_state=True, **options)
-    state = step.init(model, key=jr.PRNGKey(1), model_state=bn)
-    kx, ky = jr.split(data_key)
-    images = jr.randint(kx, (w["batch"], 3, w["image"], w["image"]), 0, 256).astype("uint8")
-    update, info = _step_runner(step, state, (images, jr.randint(ky, (w["batch"],), 0, 10)))
-    return update, {**info, "parameter_bytes": tree_bytes(state.model)}

@@ -12,10 +12,10 @@ H100 (a compile-only GPU target). `FULL` holds the sizes (`step/*`'s: `step_case
 - `accumulate/*`: the accumulation benchmark's transformer whole and in k micro-batches
   (`speed.py`'s `accumulate/*` time k = 1 and 4).
 - `shard/*`: replicated against FSDP over 2, 4 and 8 host devices.
-- `sparse/*`: sparse storage (issue 11) against dense, jaxpruner's masked dense weight and
-  `jax.experimental.sparse`'s BCOO (`speed.py`'s `sparse/*` rows time the same steps).
+- `sparse/*`: sparse storage (issue 11) against dense and jaxpruner's masked dense weight
+  (`speed.py`'s `sparse/*` rows time the same steps).
 - `lm_loss/*`: the language-model loss's two paths (issue 36), whole float32 logits and
-  chunked (`speed.py`'s `lm_loss/*` time the same). Goal: >= 10x fewer temporaries.
+  chunked. Goal: >= 10x fewer temporaries.
 - `optimizer_state/*`: Adam's state in float32, 16 bits and 8 bits on the guide's character
   LM (`speed.py`'s `optimizer_state/*` time them on a small one). Goal: <= 2.1 bytes a
   parameter in 8 bits.
@@ -23,7 +23,7 @@ H100 (a compile-only GPU target). `FULL` holds the sizes (`step/*`'s: `step_case
   loss, batch and Adam (`speed.py`'s `step_*` groups time them). Goal: library/hand <= 1.01.
 - `paper/*`: Sohoni et al. (2019)'s tables: WRN-28-2 with momentum SGD, and a 12-block
   causal LM with Adam.
-- `frontier/*`: each configuration of `quality.py --frontier`: its training step.
+- `frontier/*`: each configuration of `quality.py`: its training step.
 
 `tests/test_memory_grid.py` (slow) compiles rows again and fails when the committed
 `results/memory_grid.json` no longer matches the code: rerun this script then.
@@ -371,7 +371,7 @@ def step_row(case: str) -> dict:
 
 
 def frontier_row(cfg: dict, name: str, gpu: bool) -> dict:
-    """A frontier configuration's training step (`quality.py --frontier`) at its batch,
+    """A frontier configuration's training step (`quality.py`) at its batch,
     compiled for XLA:CPU and for an H100 (there without DSR's rewiring hook, whose host
     callback compiles only for a backend this process runs)."""
     batch = (jax.ShapeDtypeStruct((cfg["batch"], 1, 28, 28), jnp.float32),

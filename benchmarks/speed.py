@@ -55,8 +55,6 @@ from _common import (  # noqa: E402
 from _steps import (  # noqa: E402
     CHAR_LM_GUIDE,
     CHAR_LM_SMALL,
-    LM_LOSS,
-    LM_LOSS_SMOKE,
     OPTIMIZERS,
     SPARSE,
     SPARSE_MLP,
@@ -64,33 +62,24 @@ from _steps import (  # noqa: E402
 )
 
 TINY = {"n_layers": 1, "d_model": 16, "n_heads": 2, "d_ff": 32, "seq": 8, "batch": 4}
-# `plan`'s timing: a budget between its largest and smallest candidate's peak.
-PLAN = {"n_layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "seq": 128, "batch": 32,
-        "budget": 200_000_000}  # fmt: skip
-WRN = {"depth": 28, "width": 2, "batch": 100, "image": 32}
 SIZES = {
-    "gpu": {"transformer": GUIDE, "accumulate": GUIDE, "mlp": SPARSE_MLP, "wrn": WRN,
-            "stream_samples": 512, "lm_loss": LM_LOSS, "step_scale": 8, "plan": PLAN,
-            "char_lm": CHAR_LM_GUIDE, "timing": {"burn_in": 3, "repeats": 10, "repeats_short": 61}},
+    "gpu": {"transformer": GUIDE, "accumulate": GUIDE, "mlp": SPARSE_MLP, "step_scale": 8,
+            "char_lm": CHAR_LM_GUIDE,
+            "timing": {"burn_in": 3, "repeats": 10, "repeats_short": 61}},
 }  # fmt: skip
 # Each mode as the one before, but for what it names.
 # A CPU update of the guide's size takes seconds: 4 blocks of width 128 (about 0.07 s).
-SIZES["cpu"] = {**SIZES["gpu"], "accumulate": ACCUMULATE, "wrn": {**WRN, "depth": 16, "width": 1},
+SIZES["cpu"] = {**SIZES["gpu"], "accumulate": ACCUMULATE,
                 "transformer": {"n_layers": 4, "d_model": 128, "n_heads": 4, "d_ff": 512,
                                 "seq": 128, "batch": 8},
-                "stream_samples": 256, "step_scale": 1, "char_lm": CHAR_LM_SMALL,
+                "step_scale": 1, "char_lm": CHAR_LM_SMALL,
                 "timing": {"burn_in": 1, "repeats": 9, "repeats_short": 31}}  # fmt: skip
 SIZES["smoke"] = {**SIZES["cpu"], "transformer": TINY, "accumulate": TINY,
-                  "mlp": {**SPARSE_MLP, "width": 32, "batch": 8},
-                  "wrn": {**WRN, "depth": 10, "width": 1, "image": 8}, "stream_samples": 16,
-                  "lm_loss": LM_LOSS_SMOKE, "fit_updates": 2,
+                  "mlp": {**SPARSE_MLP, "width": 32, "batch": 8}, "fit_updates": 2,
                   "char_lm": {**CHAR_LM_SMALL, "layers": 1, "d_model": 16, "d_ff": 32, "seq": 8},
-                  "plan": {**TINY, "budget": PLAN["budget"], "options": {"accumulates": [1]}},
                   "timing": {"burn_in": 1, "repeats": 1}}  # fmt: skip
 BUDGET_S = 450  # the GPU run; issue 13's bound is 8 minutes
 WORKER_TIMEOUT_S = 150
-FP16 = {"kind": "wrn", "precision": "half_fp16"}  # the paper's rows: FP16 and checkpointing
-SPARSE30 = {**FP16, "density": 0.3}
 CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops the last)
     **{f"guide/{p}": {"kind": "transformer", "remat": p, "report": True, "host": "minimal" in p}
        for p in ("none", "full", "dots", "minimal", "minimal_offloaded")},
@@ -98,37 +87,14 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
     "accumulate/k4": {"kind": "transformer", "size": "accumulate", "accumulate": 4,
                       "report": True},
     "accumulate/multisteps_k4": {"kind": "multisteps", "accumulate": 4},
-    "stream/resident": {"kind": "stream", "source": "resident"},
-    "stream/memmap_prefetch": {"kind": "stream", "source": "memmap"},
-    "stream/trainer_unchecked": {"kind": "stream", "source": "memmap", "trainer": False},
-    "stream/trainer_checked": {"kind": "stream", "source": "memmap", "trainer": True},
-    "lm_loss/naive": {"kind": "lm_loss", "chunk": None},
-    "lm_loss/chunked": {"kind": "lm_loss", "chunk": "auto"},
-    # 4,096: on the H100 target 78.3 MB of temporaries against the default 2,048's 75.8 (still
-    # 10.2x fewer than the naive loss's) in half the scan steps; to time on a GPU.
-    "lm_loss/chunked_4096": {"kind": "lm_loss", "chunk": 4096},
-    "lm_loss/chunked_8000": {"kind": "lm_loss", "chunk": 8000},
-    "lm_loss/chunked_rows32": {"kind": "lm_loss", "chunk": "auto", "chunk_size": 32},
     **{f"optimizer_state/{v}": {"kind": "optimizer_state", "variant": v} for v in OPTIMIZERS},
     **{f"step_{c}/{way}": {"kind": "step", "case": c, "hand": way == "hand"}
        for c in STEP_CASES for way in ("hand", "library")},
-    **{f"sparse/{v}": {"kind": "sparse", "variant": v, "slow": v == "bcoo"} for v in SPARSE},
-    "paper/fp32": {"kind": "wrn", "remat": "none"},
-    "paper/fp16_remat": FP16,
-    "paper/fp16_remat_micro10": {**FP16, "accumulate": 10},
-    "paper/fp16_remat_micro10_sparse30": {**SPARSE30, "accumulate": 10},
-    # Issue 36: micro-batches of 2 and 1 image, and GroupNorm in BatchNorm's place.
-    "paper/fp16_remat_micro2_sparse30": {**SPARSE30, "accumulate": 50},
-    "paper/fp16_remat_micro1_sparse30": {**SPARSE30, "accumulate": 100},
-    "paper/fp16_remat_micro1_sparse30_gn": {**SPARSE30, "accumulate": 100, "norm": "group"},
+    **{f"sparse/{v}": {"kind": "sparse", "variant": v} for v in SPARSE},
     "fit/hand": {"kind": "fit", "hand": True},
     "fit/trainer": {"kind": "fit", "hand": False},
     "fit/hand_prefetch": {"kind": "fit", "hand": True, "prefetch": True},
     "fit/trainer_unchecked": {"kind": "fit", "hand": False, "check_data": False},
-    # Compiles timed once each (their builders time them), the persistent cache off.
-    "plan/one_compile": {"kind": "plan", "prune": None},
-    "plan/pruned": {"kind": "plan", "prune": True},
-    "plan/every": {"kind": "plan", "prune": False},
     # The rest of the guide's table (memory.py's `guide/*` rows of the same names).
     "guide/segments": {"kind": "transformer", "segment": "sqrt"},
     "guide/accumulate_4": {"kind": "transformer", "accumulate": 4},
@@ -137,9 +103,7 @@ CONFIGS: dict[str, dict] = {  # name: spec; order is priority (the budget drops 
     "guide/plain_eqx_checkpoint": {"kind": "plain"},
 }  # fmt: skip
 # Each group's baseline: the rows of a group are compared with it (on a CPU, side by side).
-BASELINES = {"guide": "guide/none", "accumulate": "accumulate/k1", "stream": "stream/resident",
-             "lm_loss": "lm_loss/naive", "sparse": "sparse/dense",
-             "paper": "paper/fp32", "plan": "plan/one_compile",
+BASELINES = {"guide": "guide/none", "accumulate": "accumulate/k1", "sparse": "sparse/dense",
              "optimizer_state": "optimizer_state/16bit", "fit": "fit/hand",
              **{f"step_{c}": f"step_{c}/hand" for c in STEP_CASES}}  # fmt: skip
 NONE, UPS = "guide/none", "updates_per_s"
@@ -150,26 +114,21 @@ GOALS = {  # name: (numerator, denominator, quantity, sense, bound)
     "selective_remat_time": ("guide/{selective}", NONE, "step_s", "<=", 1.10),
     "accumulate_vs_whole_batch": ("accumulate/k4", "accumulate/k1", UPS, ">=", 0.95),
     "accumulate_vs_multisteps": ("accumulate/k4", "accumulate/multisteps_k4", UPS, ">=", 1.20),
-    "stream_vs_resident": ("stream/memmap_prefetch", "stream/resident", UPS, ">=", 0.95),
-    "check_data_stall": ("stream/trainer_checked", "stream/trainer_unchecked", UPS, ">=", 0.95),
-    "chunked_lm_loss_time": ("lm_loss/chunked", "lm_loss/naive", "step_s", "<=", 1.0),
     "state_8bit_time": ("optimizer_state/8bit", "optimizer_state/16bit", "step_s", "<=", 1.15),
-    "plan_vs_one_compile": ("plan/pruned", "plan/one_compile", "step_s", "<=", 5.0),
     "fit_vs_hand_loop": ("fit/trainer", "fit/hand", UPS, ">=", 0.97),
     "fit_vs_prefetching_hand_loop": ("fit/trainer", "fit/hand_prefetch", UPS, ">=", 0.97),
+    "check_data_stall": ("fit/trainer", "fit/trainer_unchecked", UPS, ">=", 0.95),
     # Their compiled peaks (<= 1.01x): memory.py's `step/*` rows, tests/test_step_memory.py.
     **{
         f"step_{c}_time": (f"step_{c}/library", f"step_{c}/hand", UPS, ">=", 0.97)
         for c in STEP_CASES
     },
 }
-# Kinds whose calls take about 0.1 s and whose 3% goals need more rounds than 9: on a CPU
-# they are timed in `timing["repeats_short"]` rounds (on a GPU, so are `SIDE_BY_SIDE`'s).
-SHORT_KINDS = ("step", "fit")
-# Kinds a GPU run times side by side, a group in one process: their goals are ratios of
-# times a few percent apart (a process of its own would add the drift between processes),
-# and their memory figures come from the compiler, not the process's peak.
-SIDE_BY_SIDE = ("step", "fit", "lm_loss")
+# Kinds whose calls take about 0.1 s and whose 3% goals need more rounds than 9: timed in
+# `timing["repeats_short"]` rounds; a GPU run times them side by side too, a group in one
+# process (a process of its own would add the drift between processes; their memory
+# figures come from the compiler, not the process's peak).
+SIDE_BY_SIDE = ("step", "fit")
 REPORT_TOLERANCE = 0.05
 # The first update's loss and gradient norm, relative, between configurations computing the
 # same function, all in float32 (a GPU's matmuls may use TF32).
@@ -193,9 +152,7 @@ def worker(payload: dict) -> dict:
     for name in payload["names"]:
         spec, t0 = CONFIGS[name], time.perf_counter()
         try:
-            update, info = getattr(_steps, spec["kind"])(name, spec, sizes)
-            if update is not None:  # None: timed by its builder
-                built[name] = update
+            built[name], info = getattr(_steps, spec["kind"])(name, spec, sizes)
         except Exception as e:  # recorded: one broken piece must not hide the rest
             info = {
                 "error": f"{type(e).__name__}: {e}",
@@ -206,24 +163,15 @@ def worker(payload: dict) -> dict:
         for _ in range(timing["burn_in"]):
             update()
 
-    # A slow configuration (seconds a call) in 2 rounds of its own with its baseline:
-    # in the others' rounds its calls would swamp their drift-cancelling pairing.
-    fast = [n for n in built if not CONFIGS[n].get("slow") or len(built) == 1]
-    short = SHORT_KINDS + (SIDE_BY_SIDE if payload["size"] == "gpu" else ())
     repeats = timing["repeats"]
-    if all(CONFIGS[n]["kind"] in short for n in fast):
+    if all(CONFIGS[n]["kind"] in SIDE_BY_SIDE for n in built):
         repeats = timing.get("repeats_short", repeats)
-    # (the rounds' label, the calls they time, the configurations they record, how many)
-    sessions = [("main", fast, fast, max(repeats, 2))]
-    sessions += [("own", [_base(n), n], [n], 2) for n in built if n not in fast]
-    for label, timed, recorded, rounds in sessions:
-        wall = interleaved({n: built[n] for n in dict.fromkeys(timed) if n in built}, rounds)
-        per_call = {n: [t / results[n].get("per_call", 1) for t in wall[n]] for n in wall}
-        for name in recorded:
-            results[name] |= {"rounds": label, "step_s_all": per_call[name],
-                              "step_s": statistics.median(per_call[name])}  # fmt: skip
-            if _base(name) in wall:  # the median of per-round ratios: drift cancels
-                results[name]["time_vs_base"] = median_ratio(per_call[name], per_call[_base(name)])
+    wall = interleaved(built, max(repeats, 2))
+    per_call = {n: [t / results[n].get("per_call", 1) for t in wall[n]] for n in wall}
+    for name in built:
+        results[name] |= {"step_s_all": per_call[name], "step_s": statistics.median(per_call[name])}
+        if _base(name) in wall:  # the median of per-round ratios: drift cancels
+            results[name]["time_vs_base"] = median_ratio(per_call[name], per_call[_base(name)])
     alone = len(payload["names"]) == 1  # a process of its own (the GPU run's): its peak
     peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use") if alone else None
     for name, r in results.items():
@@ -242,8 +190,8 @@ def _ratio(results: dict, num: str, den: str, quantity: str) -> float | None:
     a, b = results.get(num, {}), results.get(den, {})
     if a.get(quantity) is None or not b.get(quantity):
         return None
-    paired = "step_s_all" in a and a.get("rounds") == b.get("rounds")  # timed in one process,
-    if quantity != "peak" and a.get("pid") == b.get("pid") and paired:  # the same rounds
+    paired = "step_s_all" in a and "step_s_all" in b  # timed in the same rounds
+    if quantity != "peak" and a.get("pid") == b.get("pid") and paired:
         ratio = median_ratio(a["step_s_all"], b["step_s_all"])
         return ratio if quantity == "step_s" else 1 / ratio
     return a[quantity] / b[quantity]
@@ -286,7 +234,7 @@ def check_consistency(results: dict) -> dict:
     same function from the same parameters and batch (remat and accumulation change the
     schedule, not the arithmetic)."""
     out = {}
-    for group in ("float32", "accumulate", "lm_loss", "optimizer_state"):
+    for group in ("float32", "accumulate", "optimizer_state"):
         # Its rows the library trains in float32 (not plain Equinox's or MultiSteps' hand steps).
         prefix = "guide/" if group == "float32" else f"{group}/"
         names = [n for n, s in CONFIGS.items() if n.startswith(prefix) and "precision" not in s]
@@ -298,9 +246,6 @@ def check_consistency(results: dict) -> dict:
                         for q in ("loss", "grad_norm"))  # fmt: skip
             out[group] = {"names": names, "max_rel_diff": worst, "rtol": CHECK_RTOL,
                           "ok": worst <= CHECK_RTOL}  # fmt: skip
-    best = [results.get(f"plan/{n}", {}).get("best") for n in ("pruned", "every")]
-    if None not in best:  # pruning must not change plan's choice
-        out["plan"] = {"names": ["plan/pruned", "plan/every"], "ok": best[0] == best[1]}
     return out
 
 

@@ -71,7 +71,7 @@ def test_smoke_evaluates_goals_and_checks(smoke):
     assert set(goals) == set(gpu.GOALS) | {"report_within_5_percent"}
     for name in ("full_remat_peak", "selective_remat_peak", "report_within_5_percent"):
         assert goals[name]["ratio"] is None and goals[name]["met"] is None, name  # no peaks
-    for name in ("full_remat_time", "accumulate_vs_multisteps", "stream_vs_resident"):
+    for name in ("full_remat_time", "accumulate_vs_multisteps", "check_data_stall"):
         assert goals[name]["ratio"] > 0 and goals[name]["met"] in (True, False), name
     # Remat and accumulation change the schedule, not the arithmetic.
     assert record["checks"]["float32"]["ok"], record["checks"]
@@ -83,13 +83,6 @@ def test_smoke_evaluates_goals_and_checks(smoke):
     none, full = record["configs"]["guide/none"], record["configs"]["guide/full"]
     assert none["time_vs_base"] == 1.0 and full["time_vs_base"] > 0
     assert len(none["step_s_all"]) == len(full["step_s_all"]) >= 2
-    # The chunked LM loss against the whole logits', compared in the same process.
-    chunked = record["configs"]["lm_loss/chunked"]
-    assert chunked["loss_abs_diff"] < 1e-4 and chunked["grad_max_abs_diff"] < 1e-4
-    assert record["checks"]["lm_loss"]["ok"], record["checks"]
-    # A slow configuration (BCOO) is timed in 2 rounds of its own beside its baseline.
-    bcoo = record["configs"]["sparse/bcoo"]
-    assert bcoo["rounds"] == "own" and len(bcoo["step_s_all"]) == 2 and bcoo["time_vs_base"] > 0
 
 
 @pytest.mark.slow  # the whole script's smoke run
@@ -99,8 +92,7 @@ def test_smoke_runs_configurations_in_a_worker_process(smoke):
     assert len(pids) == 1 and pids != {os.getpid()}
     # Written atomically: no temporary left beside the JSON.
     assert [p.name for p in out.parent.iterdir()] == [out.name]
-    # Nor anywhere else: the stream rows' memory-mapped files, the workers' results and the
-    # compilation cache go with the run.
+    # Nor anywhere else: the workers' results and the compilation cache go with the run.
     assert sorted(p.name for p in scratch.iterdir()) == []
 
 
@@ -127,8 +119,8 @@ def _gpu_like() -> dict:
         "accumulate/k1": {"peak": 1000 * mib, "step_s": 0.100, "updates_per_s": 10.0},
         "accumulate/k4": {"peak": 400 * mib, "step_s": 0.104, "updates_per_s": 9.6},
         "accumulate/multisteps_k4": {"peak": 600 * mib, "step_s": 0.150, "updates_per_s": 6.6},
-        "stream/resident": {"step_s": 0.1, "updates_per_s": 10.0},
-        "stream/memmap_prefetch": {"step_s": 0.11, "updates_per_s": 9.0},
+        "fit/trainer": {"step_s": 0.11, "updates_per_s": 9.0},
+        "fit/trainer_unchecked": {"step_s": 0.1, "updates_per_s": 10.0},
     }
 
 
@@ -145,7 +137,7 @@ def test_goals_on_gpu_like_figures():
     assert goals["selective_remat_peak"]["met"] is True
     assert goals["accumulate_vs_whole_batch"]["met"] is True  # 0.96
     assert goals["accumulate_vs_multisteps"]["met"] is True  # 9.6 / 6.6
-    assert goals["stream_vs_resident"]["met"] is False  # 0.9
+    assert goals["check_data_stall"]["met"] is False  # 0.9
     report = goals["report_within_5_percent"]
     assert report["ratio"] == pytest.approx(180 / 190 - 1)  # the worst, -5.3%
     assert report["met"] is False
@@ -171,8 +163,8 @@ def test_times_taken_side_by_side_compare_round_by_round():
     goals = gpu.evaluate_goals(results)
     assert goals["full_remat_time"]["ratio"] == pytest.approx(1.2)  # of 1.3, 1.2, 1.1
     assert goals["full_remat_time"]["met"] is True
-    # Timed in other rounds: no pairs, the ratio of their step times.
-    results["guide/full"]["rounds"] = "own"
+    # Timed in another process: no pairs, the ratio of their step times.
+    results["guide/full"]["pid"] = 8
     assert gpu.evaluate_goals(results)["full_remat_time"]["ratio"] == pytest.approx(0.125 / 0.1)
 
 
@@ -181,10 +173,10 @@ def test_consistency_check_flags_a_different_loss():
     results = {
         "guide/none": same,
         "guide/full": {"loss": 1.0 + 1e-4, "grad_norm": 2.0},
-        "lm_loss/naive": same,
-        "lm_loss/chunked": {"loss": 1.2, "grad_norm": 2.0},
+        "accumulate/k1": same,
+        "accumulate/k4": {"loss": 1.2, "grad_norm": 2.0},
     }
     checks = gpu.check_consistency(results)
     assert checks["float32"]["ok"] and checks["float32"]["names"] == ["guide/none", "guide/full"]
-    assert not checks["lm_loss"]["ok"]
-    assert checks["lm_loss"]["max_rel_diff"] == pytest.approx(0.2)
+    assert not checks["accumulate"]["ok"]
+    assert checks["accumulate"]["max_rel_diff"] == pytest.approx(0.2)

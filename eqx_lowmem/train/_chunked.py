@@ -268,8 +268,8 @@ def chunked_cross_entropy(
     backward pass scales them when its cotangent is `weights` times one number, which is
     what every weighted mean of the losses gives (the library's steps, `next_token_loss`).
     Any other cotangent is exact too: the backward pass then recomputes the logits one
-    vocabulary chunk of `chunk` at a time. Measured side by side by `benchmarks/speed.py
-    --only lm_loss/` (memory: `benchmarks/memory.py --only lm_loss/`).
+    vocabulary chunk of `chunk` at a time. Memory: `benchmarks/memory.py --only lm_loss/`;
+    time: `speed_lm_loss.json`, from `benchmarks/speed.py` at commit 80a7b30.
 
     The matmuls run in `hidden`'s dtype (16-bit under mixed precision) with float32
     accumulation; the log-sum-exp, the losses and the softmax's gradient are float32. The
