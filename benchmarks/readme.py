@@ -20,7 +20,6 @@ import re
 import sys
 import textwrap
 from collections.abc import Callable
-from decimal import ROUND_HALF_UP, Decimal
 from functools import cache
 from pathlib import Path
 
@@ -43,10 +42,8 @@ def grid() -> dict:
 
 
 # JSON files of runs the scripts no longer make: the last commit that had each.
-RETIRED = {"paper_quality_timing": "6196cc4", "paper_quality_lr": "837811e",
-           "paper_quality_ablation": "837811e", "paper_quality_sparse": "837811e",
-           "optimizer_state": "837811e", "remat": "f5092dd",
-           "memory_and_data": "f5092dd"}  # fmt: skip
+RETIRED = {"optimizer_state": "837811e", "remat": "f5092dd", "memory_and_data": "f5092dd",
+           "speed_stream": "80a7b30", "speed_plan": "80a7b30"}  # fmt: skip
 
 
 def cite(name: str) -> str:
@@ -69,24 +66,22 @@ def table(head: list[str], rows: list[list], right: int = 1) -> str:
     return "\n".join("| " + " | ".join(line) + " |" for line in lines)
 
 
-def spec_table(label: str, columns: dict[str, str], rows: dict[str, dict], right: int = 1) -> str:
+def spec_table(label: str, columns: dict[str, str], rows: dict[str, dict]) -> str:
     """A table from a spec: a row per `rows` item, its name under `label`, then a column
     per `columns` item, header -> a `str.format` template of the row's figures
     (`"{time:.2f}x"`)."""
     cells = [[name, *(t.format(**r) for t in columns.values())] for name, r in rows.items()]
-    return table([label, *columns], cells, right)
+    return table([label, *columns], cells)
 
 
 def goal(met) -> str:
     return "not measured" if met is None else "met" if met else "**not met**"
 
 
-def goals(rows: list[tuple], head: str = "goal") -> str:
+def goals(rows: list[tuple]) -> str:
     """A table of goals: (what, reached, bound, met); bound "" for a figure with no goal."""
-    cells = [
-        [what, reached, bound, goal(met) if bound else ""] for what, reached, bound, met in rows
-    ]
-    return table([head, "reached", "bound", ""], cells, 1)
+    cells = [[what, got, bound, goal(met) if bound else ""] for what, got, bound, met in rows]
+    return table(["goal", "reached", "bound", ""], cells)
 
 
 def bound(g: dict) -> str:
@@ -114,46 +109,8 @@ def x(ratio: float, digits: int = 2) -> str:
     return f"{ratio:.{digits}f}x"
 
 
-def pc(value) -> str:
-    """A percentage (or points) to two places, rounded half up from the JSON's decimals."""
-    return str(Decimal(str(value)).quantize(Decimal("0.01"), ROUND_HALF_UP))
-
-
-def acc(*runs: dict) -> Decimal:
-    """The mean final accuracy of `runs` in percent, exact (the JSON's short decimals)."""
-    finals = [Decimal(str((r.get("test_accuracy") or r["validation_accuracy"])[-1])) for r in runs]
-    return 100 * sum(finals) / len(finals)
-
-
 def peak_vs(name: str, base: str = "guide/none") -> float:
     return grid()[name]["peak"] / grid()[base]["peak"]
-
-
-# ----------------------------------------------------------------------- the examples
-
-EXAMPLE_TIMES = {"CPU time": "{cpu_s:,.0f} s", "wall time": "{wall_s:,.0f} s",
-                 "load average at the start": "{load:.1f}"}  # fmt: skip
-
-
-def _example(run: str, label: str, columns: dict[str, str], note: str = "") -> str:
-    r = result("examples")[run]
-    return part(
-        sources("examples", by="benchmarks/examples.py", note=f"2 CPU cores, shared{note}"),
-        spec_table("run", columns | EXAMPLE_TIMES, {label: {**r, "load": r["load_before"][0]}}),
-    )
-
-
-def main_job() -> str:
-    """`examples/train_char_lm.py` at its defaults: its evaluation loss against the text's
-    unigram entropy, and its time."""
-    columns = {"updates": "{updates}", "evaluation loss": "{final_eval_loss:.3f}",
-               "unigram entropy": "{unigram_entropy:.3f}", "training": "{train_seconds:,.0f} s",
-               }  # fmt: skip
-    return _example("main_job", "the main job", columns, "; losses in nats per character")
-
-
-def short_example_time() -> str:
-    return _example("short_example", "the short example (mostly compiling)", {})
 
 
 # ---------------------------------------------------------------- checkpoints and shards
@@ -211,18 +168,6 @@ def sparse() -> str:
     )  # fmt: skip
 
 
-def sparse_quality() -> str:
-    rows = {r["config"]: r for r in result("frontier")["rows"]}
-    columns = {"test accuracy": "{test_accuracy:.2%}", "spread (2 seeds)": "{spread:.2f}"}
-    return part(
-        sources("frontier", by="benchmarks/quality.py --frontier"),
-        spec_table("WRN-10-2", columns, {label: {**rows[n], "spread":
-                                                 100 * rows[n]["test_accuracy_spread"]}
-                                         for label, n in (("30% DSR", "dsr30"),
-                                                          ("dense", "fp32"))}),
-    )  # fmt: skip
-
-
 def optimizer_state() -> str:
     """Adam's state in float32, 16 and 8 bits: its bytes a parameter and the guide LM's
     compiled step (`memory.py`), a small LM's step time side by side (`speed.py`), and the
@@ -265,6 +210,8 @@ def optimizer_state() -> str:
 _GUIDE_ROWS = (
     ("plain Equinox: `lax.scan`, body in `eqx.filter_checkpoint`", "plain_eqx_checkpoint"),
     ("`remat=True`", "full"),
+    ('`remat="dots"`', "dots"),
+    ('`remat="minimal"`', "minimal"),
     ("`accumulate=4` (4 x 8)", "accumulate_4"),
     ("`remat=True`, `accumulate=4`", "full_accumulate_4"),
     ('`segment="sqrt"` (3 blocks)', "segments"),
@@ -274,6 +221,7 @@ _GUIDE_ROWS = (
 
 def guide() -> str:
     ref, g, s = result("memory_and_data")["reference_t4"], grid(), result("speed")
+    compile_s = result("remat")["compile_s"]
     time = lambda n: s["configs"][f"guide/{n}"]["time_vs_base"]  # noqa: E731
     rows = [
         ["guide's reference: per-block `jax.checkpoint`", "T4", "", f"{ref['peak_ratio']:.3f}",
@@ -285,26 +233,16 @@ def guide() -> str:
     goal_of = s["goals"]
     sense, most = goal_of["full_remat_peak"]["goal"].split()  # speed.py's, on the compiled peak
     return part(
-        sources("memory_grid", "speed", "memory_and_data",
+        sources("memory_grid", "speed", "memory_and_data", "remat",
                 by="benchmarks/memory.py, speed.py --only guide/",
-                note="peaks compiled, times side by side; the T4 row is the guide's own"),
+                note="peaks compiled, times side by side; the T4 row is the guide's own; "
+                f"compiling 48 scanned layers took {compile_s['48'] / compile_s['4']:.3f}x the "
+                "time of 4 (`remat.json`)"),
         table(["configuration", "device", "peak MiB", "peak vs baseline",
                "step time vs baseline"], rows, 2),
         goals([limit("`remat=True`: compiled peak", peak_vs("guide/full"), float(most),
                      most=sense == "<=", digits=3),
                timed("`remat=True`: time", goal_of["full_remat_time"])]),
-    )  # fmt: skip
-
-
-def remat() -> str:
-    t, compile_s = result("speed")["configs"], result("remat")["compile_s"]
-    rows = [[n, f"{peak_vs('guide/' + n):.3f}", f"{t['guide/' + n]['time_vs_base']:.2f}"]
-            for n in ("full", "dots", "minimal")]  # fmt: skip
-    return part(
-        sources("memory_grid", "speed", "remat", note="memory at the guide's size, time at its "
-                "timing size; compiling 48 scanned layers took "
-                f"{compile_s['48'] / compile_s['4']:.3f}x the time of 4 (`remat.json`)"),
-        table(["preset", "peak vs none", "time vs none"], rows),
     )  # fmt: skip
 
 
@@ -349,7 +287,7 @@ def data() -> str:
     # rounded down, as the goal compares: 4.9999 is not 5.0
     grain = math.floor(10 * d["achieved"]["shuffled_vs_grain"]) / 10
     return part(
-        sources("stream", "speed_stream", by="benchmarks/stream.py, speed.py --only stream/",
+        sources("stream", "speed_stream", by="benchmarks/stream.py",
                 note=f"rates against reading in order, batch {d['batch']}, {d['samples']:,} "
                 "samples in a `.npy`, every batch copied out of the file"),
         table(["read", "64 KiB samples", "1 KiB samples"], rows),
@@ -390,7 +328,7 @@ def hand_written() -> str:
     same = "the same choice as" if p["checks"]["plan"]["ok"] else "**not the choice of**"
     return part(
         sources("speed_steps", "speed_plan", "memory_grid",
-                by="benchmarks/speed.py --only step_ fit/ plan/, memory.py",
+                by="benchmarks/speed.py --only step_ fit/, memory.py",
                 note="times against the hand-written way side by side, peaks compiled"),
         spec_table("against a hand-written step (Adam)",
                    {"updates per second": "{time:.3f}x", "compiled peak": "{peak:.4f}x"}, rows),
@@ -448,10 +386,8 @@ def paper() -> str:
                   for n, c in runs)  # fmt: skip
     baseline_mb = g[base]["h100"]["total"] / MB
     where = ((True, "H100"), (False, "XLA:CPU"))
-    times = {f"`{n[len('paper/'):]}`": r for n, r in result("speed")["configs"].items()
-             if n.startswith("paper/") and n != "paper/fp32"}  # fmt: skip
     return part(
-        sources("memory_grid", "speed", note="the paper's reduction of its combinations is "
+        sources("memory_grid", note="the paper's reduction of its combinations is "
                 "9.5x, 33.2x and 60.7x (WRN) and 8.7x (transformer)"),
         *tables,
         goals([
@@ -470,42 +406,6 @@ def paper() -> str:
             at_least("sum of parts, checkpoint-residual-1", reduction(base, combo, "sum_of_parts")),
             ("the report's parts against the compiled peak", f"{100 * error:.1f}%", "within 10%",
              error <= 0.10),
-        ]),
-        spec_table("step time against FP32 (`speed.py --only paper/`: WRN-16-1, batch 100)",
-                   {"ratio": "{time_vs_base:.2f}x"}, times),
-    )  # fmt: skip
-
-
-def quality() -> str:
-    """The paper's accuracy comparison: every run of `quality.py`, one row each."""
-    d, sel, t = (result(n) for n in ("paper_quality", "paper_quality_lr", "paper_quality_timing"))
-    runs = {"3 epochs": "paper_quality", "6 epochs": "paper_quality_6epochs", "ablation":
-            "paper_quality_ablation", "DSR variants, held out": "paper_quality_sparse"}  # fmt: skip
-    rows = [[f"learning rate {lr}, held out", "FP32 dense", f"{pc(acc(sel['runs'][str(lr)]))}%",
-             ""] for lr in sel["candidates"]]  # fmt: skip
-    for label, name in runs.items():
-        for config, seeds in result(name)["runs"].items():
-            each = " and ".join(f"{pc(acc(s))}%" for s in seeds.values())
-            mean = f"{pc(acc(*seeds.values()))}%" if len(seeds) > 1 else ""
-            rows.append([label, config, each, mean])
-    gaps = {n: acc(*result(n)["runs"]["baseline_fp32"].values())
-            - acc(*result(n)["runs"]["combined"].values())
-            for n in ("paper_quality", "paper_quality_6epochs")}  # fmt: skip
-    wall, times = d["wall_seconds"], (("baseline_fp32", "FP32"), ("combined_fp16",
-              "the combination in FP16"), ("combined_bf16", "the combination in bf16"))  # fmt: skip
-    return part(
-        sources(*runs.values(), "paper_quality_lr", "paper_quality_timing",
-                by="benchmarks/quality.py", note="test accuracy per seed"),
-        table(["run", "configuration", "accuracy per seed", "mean"], rows, 2),
-        goals([
-            *((f"the combination's gap to FP32 (`{n}.json`)", f"{pc(v)} points",
-               "at most 0.5 points", v <= Decimal("0.5")) for n, v in gaps.items()),
-            ("updates the loss scale skipped, per run", ", ".join(
-                str(r["skipped_updates"]) for r in d["runs"]["combined"].values()), "", None),
-            (f"the script's time on {d['environment']['cpu_count']} cores", f"{wall:,.0f} s",
-             "at most 30 minutes", wall <= 1800),
-            *((f"seconds per update, {what} (`paper_quality_timing.json`)",
-               f"{t['steps'][k]['step_s']:.2f} s", "", None) for k, what in times),
         ]),
     )  # fmt: skip
 
@@ -535,7 +435,7 @@ def frontier() -> str:
     head = ["configuration", "uses", "compiled MB", "H100 MB", "test accuracy",
             "spread (2 seeds)", "s / update", "front"]  # fmt: skip
     return part(
-        sources("frontier", "memory_grid", by="benchmarks/quality.py --frontier, memory.py",
+        sources("frontier", "memory_grid", by="benchmarks/quality.py, memory.py",
                 note="accuracies and times the training run's, peaks the memory grid's"),
         table(head, cells, 2),
         "\n".join(quality.budget_table(fresh)),
@@ -547,8 +447,8 @@ def frontier() -> str:
 
 # A section's marker is its function's name, with hyphens.
 SECTIONS: dict[str, Callable[[], str]] = {f.__name__.replace("_", "-"): f for f in (
-    main_job, short_example_time, checkpoint, shard, sparse, sparse_quality, optimizer_state,
-    guide, remat, accumulate, precision, data, hand_written, paper, quality, frontier,
+    checkpoint, shard, sparse, optimizer_state,
+    guide, accumulate, precision, data, hand_written, paper, frontier,
 )}  # fmt: skip
 
 

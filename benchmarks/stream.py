@@ -4,8 +4,8 @@ Reads float32 samples of 64 KiB and of 1 KiB from a `.npy` file in batches, ever
 copied out of the file, with a warm page cache: in order, bounded shuffle, global shuffle,
 the global shuffle copied by NumPy from the mapping (`safe_reads=False`: what safe reads
 cost) and grain's `MapDataset.shuffle().batch()` where grain is installed. (A step fed by
-`stream.prefetch()` against batches already on the device is the speed grid's `stream/*`
-group: `python benchmarks/speed.py --only stream/`. How a bounded shuffle mixes data stored
+`stream.prefetch()` against batches already on the device was the speed grid's `stream/*`
+group until commit 80a7b30, `speed_stream.json`. How a bounded shuffle mixes data stored
 sorted by label is deterministic, so `tests/test_data_shuffle.py` checks it; this script
 measured it until commit c02c0aa, `stream.json`'s `mixing`.)
 
