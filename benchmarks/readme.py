@@ -447,8 +447,8 @@ def frontier() -> str:
 
 # A section's marker is its function's name, with hyphens.
 SECTIONS: dict[str, Callable[[], str]] = {f.__name__.replace("_", "-"): f for f in (
-    checkpoint, shard, sparse, optimizer_state,
-    guide, accumulate, precision, data, hand_written, paper, frontier,
+    checkpoint, shard, sparse, optimizer_state, guide, accumulate, precision, data,
+    hand_written, paper, frontier,
 )}  # fmt: skip
 
 
