@@ -42,6 +42,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # worker processes, each importing JAX
 def test_run_workers_runs_each_spec_in_a_fresh_process_in_order(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(benchmarks=str(common.RESULTS.parent)))
@@ -57,6 +58,7 @@ def test_run_workers_runs_each_spec_in_a_fresh_process_in_order(tmp_path):
         common.run_workers(script, slow, timeout=1)
 
 
+@pytest.mark.slow  # worker processes, each importing JAX
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
 def test_pinned_workers_each_run_on_a_core_of_their_own(tmp_path):
     script = tmp_path / "worker.py"

@@ -63,6 +63,7 @@ def test_the_front_keeps_what_nothing_cheaper_beats_and_the_goal_compares_dense_
     assert len(table) == 2 + len(front)
 
 
+@pytest.mark.slow  # builds every configuration of the benchmark's grid
 def test_every_configuration_of_the_grid_reaches_its_step_and_model():
     # Each row's settings must reach make_step (precision, micro-batches, their dtype,
     # DSR's hook) and the model (depth, width, recomputation, density), or the grid would
@@ -90,6 +91,7 @@ def test_every_configuration_of_the_grid_reaches_its_step_and_model():
             assert not el.sparse._convert.sparse_layers(model), name
 
 
+@pytest.mark.slow  # traces the benchmark's WideResNet three times
 def test_checkpoint_residual_3_is_checkpoint_residual_1_on_the_grids_depth():
     # The JSON's note: with one block per group, no segment of 3 exists, so the row
     # checkpoint3 would train the very program of checkpoint1 (the same gradient's jaxpr).

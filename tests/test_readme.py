@@ -44,6 +44,7 @@ def test_the_readmes_short_example_runs_at_its_size_and_resumes(tmp_path, env):
     assert out.stdout.strip().splitlines()[-1] == "(128, 128)"
 
 
+@pytest.mark.slow  # the whole example, in a process of its own
 def test_the_readmes_sparse_example_runs_and_keeps_its_density(tmp_path, env):
     # The README's sparse-training code, as written: three DSR steps at 30% density, then
     # densified back to plain Linear layers.
