@@ -14,8 +14,8 @@ peaks: `memory.py`'s `frontier/*`). The data: the Debian package `dataset-fashio
     python benchmarks/quality.py --quick           # a smoke test
 
 The paper's comparison of FP32 against the combination on a WRN-10-1 (`paper_quality.json`,
-`paper_quality_6epochs.json`: the frontier's `fp32` and `combined` rows ask the same
-question) was this script's default until commit 80a7b30; the learning rate
+`paper_quality_6epochs.json`; the frontier's `fp32` and `combined` rows compare them too,
+with 16-bit parameters) was this script's default until commit 80a7b30; the learning rate
 (`paper_quality_lr.json`), each technique alone (`paper_quality_ablation.json`), DSR's
 settings (`paper_quality_sparse.json`) and the 8-bit optimizer state's loss curves were its
 `--select-lr`, `--ablation`, `--sparse-variants` and `--optimizer-state` until commit
